@@ -1,0 +1,43 @@
+"""Shared by the CLIs: config paths that work from any folder, and one-line errors instead of tracebacks."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def resolve(path: str | None) -> str | None:
+    """A config path as given, or relative to the repository when it is not found from here."""
+    if path is None or Path(path).exists():
+        return path
+    candidate = REPO / path
+    return str(candidate) if candidate.exists() else path
+
+
+def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
+    """Print known user errors as `error: ...` and exit 2; everything else keeps its traceback."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        from taehv_slurm.checkpoint import CheckpointError
+        from taehv_slurm.config import ConfigError
+        from taehv_slurm.distenv import DistributedSetupError
+        from taehv_slurm.executor import SubmissionError
+        from taehv_slurm.handle import UnknownJobError
+        from taehv_slurm.security import UnsafePathError
+
+        try:
+            return main(*args, **kwargs)
+        except (ConfigError, DistributedSetupError, SubmissionError, UnknownJobError, UnsafePathError,
+                CheckpointError, FileNotFoundError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+
+    return wrapper

@@ -1,0 +1,215 @@
+"""Atomic checkpoints: a crash at any instant leaves `latest` loadable and never partial.
+
+Layout of a checkpoint folder:
+
+    checkpoints/
+      step_00001200/        one complete checkpoint (renamed into place only once fully written)
+        state.pt            tensors and plain values only: loads with torch.load(weights_only=True)
+        meta.json           step, time, config and plan it ran under
+      latest                text file naming the newest complete checkpoint (replaced atomically)
+
+A save writes `step_N.tmp-<random>/`, fsyncs each file and the folder, renames it to `step_N`,
+fsyncs the parent, then replaces `latest` the same way. Old checkpoints beyond `keep` are removed
+only after the new `latest` is durable. The state is engine-independent (full tensors by parameter
+name), so a run resumes at any world size and with any engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .security import check_safe_to_load, make_private_dir
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says what was kept and what to do."""
+
+
+class Checkpointer:
+    """Save and load checkpoints under `directory`, keeping the last `keep` of them.
+
+    `save(..., blocking=False)` returns as soon as the state is handed to a writer thread; the state
+    must already be off the GPU (see `to_cpu`). A later save, `wait()` or `close()` waits for it.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, group: str | None = None,
+                 trust_root: str | os.PathLike | None = None) -> None:
+        if keep < 1:
+            raise ValueError("keep must be ≥ 1")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.group = group
+        self.trust_root = Path(trust_root) if trust_root else self.directory
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_save_seconds: float | None = None
+
+    # ------------------------------------------------------------------------------------ saving
+    def save(self, state: Mapping[str, Any], step: int, meta: Mapping[str, Any] | None = None,
+             blocking: bool = True) -> Path:
+        self.wait()
+        final = self.directory / f"step_{step:08d}"
+        if blocking:
+            self._write(state, step, dict(meta or {}))
+        else:
+            self._thread = threading.Thread(target=self._write_in_thread, args=(state, step, dict(meta or {})),
+                                            name=f"checkpoint-step-{step}", daemon=False)
+            self._thread.start()
+        return final
+
+    def wait(self) -> None:
+        """Block until a pending asynchronous save is durable; re-raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    close = wait
+
+    def _write_in_thread(self, state: Mapping[str, Any], step: int, meta: dict[str, Any]) -> None:
+        try:
+            self._write(state, step, meta)
+        except BaseException as err:  # surfaced by wait() in the training thread
+            self._error = err
+
+    def _write(self, state: Mapping[str, Any], step: int, meta: dict[str, Any]) -> None:
+        import torch
+
+        start = time.monotonic()
+        make_private_dir(self.directory, self.group)
+        final = self.directory / f"step_{step:08d}"
+        tmp = self.directory / f"step_{step:08d}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            make_private_dir(tmp, self.group)
+            with open(tmp / "state.pt", "wb") as f:
+                torch.save(dict(state), f)
+                f.flush()
+                os.fsync(f.fileno())
+            meta = {"format": 1, "step": step, "saved_at": time.time(), **meta}
+            with open(tmp / "meta.json", "w") as f:
+                json.dump(meta, f, indent=1, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.directory)
+            self._point_latest(final.name)
+        except (OSError, RuntimeError) as err:  # torch's zip writer wraps ENOSPC in a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            previous = self.latest_step()
+            kept = f"the previous checkpoint (step {previous}) is intact" if previous is not None else "no earlier checkpoint exists"
+            raise CheckpointError(
+                f"saving checkpoint step {step} to {self.directory} failed ({_os_cause(err)}); {kept}; "
+                "free space or fix permissions there, the run can resume from it"
+            ) from None
+        self._prune()
+        self.last_save_seconds = time.monotonic() - start
+
+    def _point_latest(self, name: str) -> None:
+        tmp = self.directory / f".latest.tmp-{uuid.uuid4().hex[:8]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if not self.group else 0o640)
+        with os.fdopen(fd, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.directory / "latest")
+        _fsync_dir(self.directory)
+
+    def _prune(self) -> None:
+        steps = self.steps()
+        latest = self.latest_step()
+        for step in steps[: max(0, len(steps) - self.keep)]:
+            if step != latest:
+                shutil.rmtree(self.directory / f"step_{step:08d}", ignore_errors=True)
+        for stale in self.directory.glob("step_*.tmp-*"):
+            if stale.is_dir() and time.time() - stale.stat().st_mtime > 3600:  # left by a killed writer
+                shutil.rmtree(stale, ignore_errors=True)
+
+    # ----------------------------------------------------------------------------------- loading
+    def steps(self) -> list[int]:
+        """Steps of complete checkpoints, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = (_STEP_DIR.match(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in found if m and (self.directory / m.group(0) / "meta.json").is_file())
+
+    def latest_step(self) -> int | None:
+        pointer = self.directory / "latest"
+        try:
+            m = _STEP_DIR.match(pointer.read_text().strip())
+        except (FileNotFoundError, NotADirectoryError):
+            m = None
+        if m and (self.directory / m.group(0) / "meta.json").is_file():
+            return int(m.group(1))
+        steps = self.steps()  # pointer missing or stale: the newest complete folder is the truth
+        return steps[-1] if steps else None
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any] | None:
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None
+        return json.loads((self.directory / f"step_{step:08d}" / "meta.json").read_text())
+
+    def load_latest(self) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+        """(step, state, meta) of the newest complete checkpoint, or None when there is none."""
+        step = self.latest_step()
+        return None if step is None else self.load(step)
+
+    def load(self, step: int) -> tuple[int, dict[str, Any], dict[str, Any]]:
+        import torch
+
+        folder = self.directory / f"step_{step:08d}"
+        for name in ("state.pt", "meta.json"):
+            check_safe_to_load(folder / name, self.trust_root)
+        meta = json.loads((folder / "meta.json").read_text())
+        try:
+            state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"cannot load checkpoint {folder}: {first}; delete that folder to resume from an older one") from None
+        return step, state, meta
+
+
+def to_cpu(state: Any) -> Any:
+    """A copy of `state` with every tensor on the CPU (the copy an asynchronous save needs)."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, Mapping):
+        return {k: to_cpu(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(to_cpu(v) for v in state)
+    return state
+
+
+def _os_cause(err: BaseException) -> str:
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        cause = cause.__cause__ or cause.__context__
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

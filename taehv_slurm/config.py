@@ -1,0 +1,433 @@
+"""Typed configuration: cluster YAML → `ClusterConfig`, training YAML → `TrainConfig`.
+
+Every problem with a config is a `ConfigError` whose message is one line naming the file, the key and
+the fix — never a traceback from deep inside. Values come from YAML, from a dict, or from
+`--set key=value` overrides (dotted keys for nested sections, values parsed as YAML).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line that names the problem and the fix."""
+
+
+# ----------------------------------------------------------------------------------------- cluster
+
+
+@dataclass
+class ClusterConfig:
+    """Where and how a job runs. Each field reaches the sbatch script or the job's environment."""
+
+    name: str = "taehv"  # Slurm job name
+    backend: Literal["slurm", "local", "debug"] = "slurm"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    nodes: int = 1
+    gpus_per_node: int = 8
+    # One task per GPU. None means "= gpus_per_node" (or 1 on CPU-only nodes).
+    tasks_per_node: int | None = None
+    # Set true only to run a different number of tasks than GPUs per node on purpose.
+    allow_task_gpu_mismatch: bool = False
+    gres: str | None = None  # default "gpu:<gpus_per_node>"; e.g. "gpu:h100:8" for typed GRES
+    cpus_per_task: int = 8
+    mem_gb: float | None = None  # per node; None = the partition's default
+    time_min: int = 240
+    exclusive: bool = False
+    # Seconds before the time limit at which Slurm sends USR2: the job saves and requeues itself.
+    signal_delay_s: int = 120
+    kill_wait_s: int = 30  # the cluster's KillWait: seconds from SIGTERM to SIGKILL; a save must fit in it
+    max_requeues: int = 20  # every requeue counts: timeout, preemption, failure
+    max_requeues_without_progress: int = 2  # consecutive restarts that end at the step they began
+    requeue_on_failure: bool = True  # a crashed rank requeues the job (within the limits above)
+    setup: list[str] = field(default_factory=list)  # shell lines run before srun
+    env: dict[str, str] = field(default_factory=dict)  # exported in the job
+    secret_env: list[str] = field(default_factory=list)  # env names never written anywhere
+    srun_args: list[str] = field(default_factory=lambda: ["--kill-on-bad-exit=1"])
+    sbatch_args: dict[str, str] = field(default_factory=dict)  # extra #SBATCH flags, e.g. mail-type
+    job_dir: str = "runs"  # run folders and the job registry; must be on a filesystem all nodes share
+    python: str | None = None  # command that starts python on the nodes; default: this interpreter
+    device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda where the nodes have GPUs
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    rendezvous_timeout_s: int = 300  # bounded wait for all ranks to meet at MASTER_ADDR
+    collective_timeout_s: int | None = None  # None: the plan's NCCL timeout for this node count
+    torch_threads: int | None = None  # torch.set_num_threads per rank; None: cpus_per_task
+    gpu_memory_gb: float = 80.0  # per GPU; the plan checks that the engine fits
+    group: str | None = None  # share run folders with this Unix group (read-only); None: owner only
+
+    def __post_init__(self) -> None:
+        if self.tasks_per_node is None:
+            self.tasks_per_node = self.gpus_per_node if self.gpus_per_node > 0 else 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * int(self.tasks_per_node or 1)
+
+    @property
+    def gres_request(self) -> str | None:
+        if self.gres is not None:
+            return self.gres or None
+        return f"gpu:{self.gpus_per_node}" if self.gpus_per_node > 0 else None
+
+    def runtime(self) -> dict[str, Any]:
+        """What a task needs from the cluster config at run time (plain values, safe to pickle)."""
+        return {
+            "device": self.device,
+            "dist_backend": self.dist_backend,
+            "rendezvous_timeout_s": self.rendezvous_timeout_s,
+            "collective_timeout_s": self.collective_timeout_s,
+            "torch_threads": self.torch_threads or self.cpus_per_task,
+            "gpu_memory_gb": self.gpu_memory_gb,
+            "cpus_per_task": self.cpus_per_task,
+        }
+
+    def secret_names(self) -> set[str]:
+        """Env names whose values must never be written: listed in secret_env or named like a secret."""
+        return set(self.secret_env) | {k for k in self.env if _SECRET_NAME.search(k)}
+
+    def public_env(self) -> dict[str, str]:
+        secret = self.secret_names()
+        return {k: v for k, v in self.env.items() if k not in secret}
+
+    def masked(self) -> dict[str, Any]:
+        """The config as a dict with secret values replaced by '***' (for previews, registries, logs)."""
+        data = dataclasses.asdict(self)
+        secret = self.secret_names()
+        data["env"] = {k: ("***" if k in secret else v) for k, v in self.env.items()}
+        return data
+
+    def without_secrets(self) -> ClusterConfig:
+        """A copy safe to pickle into the job folder: secret env values travel another way."""
+        return dataclasses.replace(self, env=self.public_env())
+
+    def validate(self, source: str = "cluster config") -> ClusterConfig:
+        _check(self.nodes >= 1, source, f"nodes must be ≥ 1, got {self.nodes} (set nodes: 1 or more)")
+        _check(self.gpus_per_node >= 0, source, f"gpus_per_node must be ≥ 0, got {self.gpus_per_node}")
+        tasks = int(self.tasks_per_node or 0)
+        _check(tasks >= 1, source, f"tasks_per_node must be ≥ 1, got {tasks}")
+        if self.gpus_per_node > 0 and tasks != self.gpus_per_node and not self.allow_task_gpu_mismatch:
+            raise ConfigError(
+                f"{source}: tasks_per_node={tasks} but gpus_per_node={self.gpus_per_node}: "
+                f"run one task per GPU (remove tasks_per_node or set it to {self.gpus_per_node}); "
+                "set allow_task_gpu_mismatch: true only if you mean it"
+            )
+        _check(self.cpus_per_task >= 1, source, f"cpus_per_task must be ≥ 1, got {self.cpus_per_task}")
+        _check(self.time_min >= 1, source, f"time_min must be ≥ 1, got {self.time_min}")
+        _check(self.signal_delay_s >= 0, source, f"signal_delay_s must be ≥ 0, got {self.signal_delay_s}")
+        _check(
+            self.signal_delay_s < self.time_min * 60,
+            source,
+            f"signal_delay_s={self.signal_delay_s} is not shorter than time_min={self.time_min} minutes: "
+            "the job would be signalled before it starts; lower signal_delay_s or raise time_min",
+        )
+        _check(self.max_requeues >= 0, source, f"max_requeues must be ≥ 0, got {self.max_requeues}")
+        _check(self.rendezvous_timeout_s >= 1, source, "rendezvous_timeout_s must be ≥ 1")
+        _check(self.mem_gb is None or self.mem_gb > 0, source, f"mem_gb must be > 0, got {self.mem_gb}")
+        if self.backend != "slurm" and self.nodes > 1:
+            raise ConfigError(
+                f"{source}: backend '{self.backend}' runs on this machine only, but nodes={self.nodes}; "
+                "set nodes: 1 or backend: slurm"
+            )
+        for name in self.env:
+            _check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is not None, source, f"env name {name!r} is not a valid variable name")
+        return self
+
+
+# ------------------------------------------------------------------------------------------- train
+
+
+@dataclass
+class DataConfig:
+    source: Literal["synthetic", "video", "prepared"] = "synthetic"
+    path: str | None = None  # a folder of videos (video) or of prepared shards (prepared)
+    frames: int = 12
+    height: int = 480
+    width: int = 720
+    num_clips: int = 4096  # synthetic source only
+    val_clips: int = 16  # held-out clips for validation PSNR
+    num_workers: int | None = None  # per GPU; None: the plan decides
+    prefetch_factor: int | None = None
+
+
+@dataclass
+class ModelConfig:
+    latent_channels: int = 16
+    patch_size: int = 1
+    encoder_width: int = 64
+    decoder_widths: list[int] = field(default_factory=lambda: [256, 128, 64, 64])
+    init_from: str | None = None  # published TAEHV weights (.pth or .safetensors) to start from
+
+
+@dataclass
+class TeacherConfig:
+    # Where the distillation targets come from: latents stored by `jobs.prepare` ("prepared"), or a
+    # diffusers VAE run on the fly from a local folder (slow: ~5x the student's step; tests and small runs).
+    kind: Literal["none", "hunyuanvideo", "cogvideox", "wan"] = "none"
+    path: str | None = None
+    scaling_factor: float | None = None  # None: the VAE config's value (HunyuanVideo 0.476986)
+
+
+@dataclass
+class LossConfig:
+    latent_weight: float = 1.0  # MSE(student encoder, teacher latents)
+    reconstruction_weight: float = 20.0  # MSE(decode(encode(x)), x): end to end
+    decoder_weight: float = 0.0  # MSE(decode(teacher latents), x): the author's separate decoder objective
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.01
+    warmup_steps: int = 2000
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+    grad_clip: float = 1.0
+    # The effective batch is held constant across GPU counts, so lr does not change with the GPU count.
+    # Only when you change effective_batch is lr rescaled from reference_batch by this rule.
+    lr_scaling: Literal["none", "linear", "sqrt"] = "sqrt"
+    reference_batch: int = 128
+
+
+@dataclass
+class BatchConfig:
+    effective: int = 128  # = per_gpu × world size × grad accumulation, for any GPU count
+    per_gpu: int = 8  # upper bound; the plan lowers it when the world is large
+    grad_accum: int | None = None  # explicit override; None: computed by the plan
+
+
+@dataclass
+class EngineConfig:
+    kind: Literal["auto", "ddp", "zero1", "zero2", "zero3"] = "auto"
+    precision: Literal["bf16", "fp32"] = "bf16"
+    compile: bool = True  # torch.compile the model (CUDA only)
+    channels_last: bool = True  # (CUDA only)
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class IntervalConfig:
+    log_every: int = 25
+    val_every: int = 1000
+    ckpt_every: int = 2000
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = True
+
+
+@dataclass
+class TrainConfig:
+    name: str = "taehv"
+    seed: int = 0
+    steps: int = 100_000
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    intervals: IntervalConfig = field(default_factory=IntervalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self, source: str = "train config") -> TrainConfig:
+        d, b = self.data, self.batch
+        _check(self.steps >= 1, source, f"steps must be ≥ 1, got {self.steps}")
+        _check(d.frames >= 4 and d.frames % 4 == 0, source, f"data.frames must be a multiple of 4 (≥ 4), got {d.frames}")
+        _check(d.height % 8 == 0 and d.width % 8 == 0 and d.height > 0 and d.width > 0, source,
+               f"data.height and data.width must be positive multiples of 8, got {d.height}×{d.width}")
+        if d.source in ("video", "prepared"):
+            _check(bool(d.path), source, f"data.source={d.source} needs data.path (a folder)")
+        _check(b.effective >= 1 and b.per_gpu >= 1, source, "batch.effective and batch.per_gpu must be ≥ 1")
+        _check(b.grad_accum is None or b.grad_accum >= 1, source, "batch.grad_accum must be ≥ 1")
+        if self.teacher.kind != "none":
+            _check(bool(self.teacher.path), source,
+                   f"teacher.kind={self.teacher.kind} needs teacher.path (a local diffusers VAE folder)")
+        _check(self.optim.lr > 0, source, f"optim.lr must be > 0, got {self.optim.lr}")
+        _check(len(self.optim.betas) == 2, source, "optim.betas needs two values, e.g. [0.9, 0.95]")
+        for key in ("log_every", "val_every", "ckpt_every", "keep_checkpoints"):
+            value = getattr(self.intervals, key)
+            _check(value >= 1, source, f"intervals.{key} must be ≥ 1, got {value}")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+
+def load_cluster(path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None, **overrides: Any) -> ClusterConfig:
+    """Load a cluster config from YAML (or a dict), apply overrides (dotted keys allowed), validate."""
+    data, source = _read(path_or_dict, "cluster config")
+    return _build(ClusterConfig, _apply_overrides(data, overrides), source).validate(source)
+
+
+def load_train(path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None, **overrides: Any) -> TrainConfig:
+    """Load a training config from YAML (or a dict), apply overrides (dotted keys allowed), validate."""
+    data, source = _read(path_or_dict, "train config")
+    return _build(TrainConfig, _apply_overrides(data, overrides), source).validate(source)
+
+
+def parse_set_args(items: list[str] | None) -> dict[str, Any]:
+    """`["nodes=2", "env.NCCL_DEBUG=INFO"]` → {"nodes": 2, "env.NCCL_DEBUG": "INFO"} (values as YAML)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set nodes=2")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out
+
+
+def split_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Route `--set` overrides to the cluster or the train config by their first key."""
+    cluster_keys = {f.name for f in dataclasses.fields(ClusterConfig)}
+    train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+    cluster, train = {}, {}
+    for key, value in overrides.items():
+        head = key.split(".", 1)[0]
+        if head in cluster_keys:
+            cluster[key] = value
+        elif head in train_keys:
+            train[key] = value
+        else:
+            hint = _suggest(head, cluster_keys | train_keys)
+            raise ConfigError(f"--set {key}: unknown key '{head}'{hint}")
+    return cluster, train
+
+
+def to_yaml(cfg: ClusterConfig | TrainConfig) -> str:
+    data = cfg.masked() if isinstance(cfg, ClusterConfig) else cfg.to_dict()
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _read(path_or_dict: Any, kind: str) -> tuple[dict[str, Any], str]:
+    if path_or_dict is None:
+        return {}, kind
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict), kind
+    path = Path(path_or_dict)
+    if not path.is_file():
+        raise ConfigError(f"{kind} {path} not found: check the path (configs/cluster/ and configs/train/ hold examples)")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}: malformed YAML{where}: {problem}; fix the syntax there") from None
+    if data is None:
+        return {}, str(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of key: value at the top level, got {type(data).__name__}")
+    return data, str(path)
+
+
+def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    data = _deep_copy(data)
+    for dotted, value in overrides.items():
+        node = data
+        *parents, last = dotted.split(".")
+        for part in parents:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                child = {}
+                node[part] = child
+            node = child
+        node[last] = value
+    return data
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str = "") -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: '{prefix.rstrip('.')}' must be a mapping of key: value, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{_suggest(str(key), names)}")
+        kwargs[key] = _coerce(value, hints[key], source, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value if value is not None else {}, source, f"{key}.")
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], source, key)
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(map(str, args))
+            raise ConfigError(f"{source}: '{key}' must be one of {choices}; got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{source}: '{key}' must be a list, got {value!r}")
+        return [_coerce(v, args[0], source, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{source}: '{key}' must be a mapping, got {value!r}")
+        return {str(k): _coerce(v, args[1], source, f"{key}.{k}") for k, v in value.items()}
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: '{key}' must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{source}: '{key}' must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "2e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{source}: '{key}' must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if isinstance(value, bool) or value is None or isinstance(value, list | dict):
+            raise ConfigError(f"{source}: '{key}' must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _suggest(key: str, names: Any) -> str:
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(names))}"
+
+
+def _check(ok: bool, source: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{source}: {message}")

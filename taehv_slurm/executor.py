@@ -1,0 +1,140 @@
+"""Cluster config → a submitit executor, and the exact sbatch script it would write.
+
+One task per GPU (`--ntasks-per-node = gpus_per_node`, `--gres=gpu:N`) so local ranks never exceed
+the GPUs of a node; USR2 `signal_delay_s` before the time limit so the job can save and requeue;
+`--requeue` so a preempted job comes back even where the cluster's default is not to requeue.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.slurm import slurm as submitit_slurm
+
+from .config import ClusterConfig
+
+
+def _entry_command(python: str, folder: Path) -> str:
+    # Our entry point checks who can write the job folder before submitit loads its pickle.
+    return " ".join([python, "-u -m taehv_slurm.entry", shlex.quote(str(folder))])
+
+
+class SlurmExecutor(submitit.SlurmExecutor):
+    @property
+    def _submitit_command_str(self) -> str:
+        return _entry_command(self.python, Path(self.folder))
+
+
+class LocalExecutor(submitit.LocalExecutor):
+    @property
+    def _submitit_command_str(self) -> str:
+        return _entry_command(self.python, Path(self.folder))
+
+
+def setup_lines(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = None) -> list[str]:
+    """Shell lines run before the tasks start: the job's env (never a secret), then the user's setup."""
+    env = {**(extra_env or {}), **cluster.public_env()}  # the user's env wins over the plan's
+    if cluster.group:
+        env["TAEHV_SHARED_GROUP"] = cluster.group
+    return [f"export {name}={shlex.quote(str(value))}" for name, value in env.items()] + list(cluster.setup)
+
+
+def slurm_parameters(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """submitit SlurmExecutor parameters (names of its sbatch writer) for every cluster field."""
+    params: dict[str, Any] = {
+        "job_name": cluster.name,
+        "time": cluster.time_min,
+        "nodes": cluster.nodes,
+        "ntasks_per_node": cluster.tasks_per_node,
+        "cpus_per_task": cluster.cpus_per_task,
+        "signal_delay_s": cluster.signal_delay_s,
+        "stderr_to_stdout": True,  # one log per rank: <job>_<rank>_log.out
+        "setup": setup_lines(cluster, extra_env),
+        "srun_args": list(cluster.srun_args),
+        "additional_parameters": {"requeue": True, **cluster.sbatch_args},
+    }
+    optional = {
+        "partition": cluster.partition,
+        "account": cluster.account,
+        "qos": cluster.qos,
+        "constraint": cluster.constraint,
+        "gres": cluster.gres_request,
+        "mem": submitit_slurm._convert_mem(cluster.mem_gb) if cluster.mem_gb else None,
+        "exclusive": True if cluster.exclusive else None,
+    }
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def make_executor(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping[str, str] | None = None) -> submitit.Executor:
+    """A submitit executor for `cluster.backend` with every field applied.
+
+    slurm: sbatch on the cluster; local: real processes on this machine (one per task, like one
+    node); debug: in this process, for stepping through with a debugger.
+    """
+    folder = Path(folder)
+    python = cluster.python or shlex.quote(sys.executable)
+    if cluster.backend == "slurm":
+        executor: submitit.Executor = SlurmExecutor(folder, max_num_timeout=cluster.max_requeues, python=python)
+        executor.update_parameters(**slurm_parameters(cluster, extra_env))
+        return executor
+    if cluster.backend == "local":
+        executor = LocalExecutor(folder, max_num_timeout=cluster.max_requeues, python=python)
+        executor.update_parameters(
+            timeout_min=cluster.time_min,
+            tasks_per_node=cluster.tasks_per_node,
+            gpus_per_node=cluster.gpus_per_node if _cuda_count() else 0,
+            signal_delay_s=cluster.signal_delay_s,
+            stderr_to_stdout=True,
+            setup=setup_lines(cluster, extra_env),
+        )
+        return executor
+    return submitit.DebugExecutor(folder)
+
+
+def sbatch_preview(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping[str, str] | None = None) -> str:
+    """The exact sbatch script `make_executor(cluster, folder)` submits (secrets never appear in it)."""
+    folder = Path(folder)
+    python = cluster.python or shlex.quote(sys.executable)
+    return submitit_slurm._make_sbatch_string(
+        command=_entry_command(python, folder), folder=folder, **slurm_parameters(cluster, extra_env)
+    )
+
+
+class SubmissionError(RuntimeError):
+    """The scheduler rejected the job; the message is sbatch's reason and the config field to fix."""
+
+
+_SBATCH_FIXES = (
+    ("invalid partition", "set partition in the cluster config to one that `sinfo -s` lists"),
+    ("requested node configuration is not available",
+     "no node offers that many GPUs/CPUs/memory: check gpus_per_node (gres), cpus_per_task × tasks_per_node "
+     "and mem_gb against `sinfo -o '%P %D %c %m %G'`"),
+    ("invalid generic resource", "the cluster has no such GRES: check gres / gpus_per_node against `sinfo -o '%G'`"),
+    ("more processors requested than permitted", "lower cpus_per_task or tasks_per_node"),
+    ("node count specification invalid", "the partition has fewer nodes than requested: lower nodes"),
+    ("invalid account", "set account to one `sacctmgr show assoc user=$USER` lists"),
+    ("invalid qos", "set qos to one your account may use (`sacctmgr show assoc user=$USER format=qos`)"),
+    ("time limit", "lower time_min below the partition's limit (`sinfo -o '%P %l'`)"),
+)
+
+
+def describe_sbatch_error(text: str) -> str:
+    """sbatch's own error line plus the fix, from the error text submitit collected."""
+    lines = [ln.strip() for ln in text.splitlines() if "error:" in ln.lower()]
+    reason = lines[-1].split("error:", 1)[-1].strip() if lines else text.strip().splitlines()[-1] if text.strip() else "unknown"
+    for needle, fix in _SBATCH_FIXES:
+        if needle in reason.lower():
+            return f"sbatch rejected the job: {reason}; {fix}"
+    return f"sbatch rejected the job: {reason}"
+
+
+def _cuda_count() -> int:
+    # The local backend hands GPUs to its tasks only where there are some; it must not import torch
+    # just to find out, so ask the driver's device files.
+    return len(list(Path("/dev").glob("nvidia[0-9]*")))

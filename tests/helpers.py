@@ -1,0 +1,80 @@
+"""Shared by the Slurm tests: configs for the testbed, waiting, and reading a run's files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from taehv_slurm.checkpoint import Checkpointer
+from taehv_slurm.config import ClusterConfig, TrainConfig, load_cluster, load_train
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_cluster(job_dir: Path, **overrides: Any) -> ClusterConfig:
+    """The CI cluster config (2 nodes × 8 fake GPUs), with a private job_dir per test."""
+    return load_cluster(REPO / "configs/cluster/testbed.yaml", job_dir=str(job_dir), **overrides)
+
+
+def tiny_train(**overrides: Any) -> TrainConfig:
+    return load_train(REPO / "configs/train/tiny.yaml", **overrides)
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in metrics(run_dir) if "loss" in row}
+
+
+def last_step(run_dir: Path) -> int:
+    rows = [r for r in metrics(run_dir) if "loss" in r]
+    return rows[-1]["step"] if rows else 0
+
+
+def final_state(run_dir: Path) -> tuple[int, dict, dict]:
+    loaded = Checkpointer(Path(run_dir) / "checkpoints").load_latest()
+    assert loaded is not None, f"no checkpoint in {run_dir}"
+    return loaded
+
+
+def job_state(job_id: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    if out:
+        return out
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True).stdout
+    return out.strip().splitlines()[-1].split()[0] if out.strip() else "UNKNOWN"
+
+
+def wait_done(job_id: str, timeout_s: float) -> str:
+    final = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+    return wait_for(lambda: (s := job_state(job_id)) in final and s, timeout_s, f"job {job_id} to end")
+
+
+def assert_identical(a: dict, b: dict, what: str = "state") -> None:
+    import torch
+
+    assert a.keys() == b.keys(), f"{what}: keys differ"
+    for key in a:
+        if isinstance(a[key], dict):
+            assert_identical(a[key], b[key], f"{what}.{key}")
+        elif torch.is_tensor(a[key]):
+            assert torch.equal(a[key], b[key]), f"{what}.{key} differs (max {float((a[key] - b[key]).abs().max())})"
+        else:
+            assert a[key] == b[key], f"{what}.{key}: {a[key]!r} != {b[key]!r}"

@@ -1,0 +1,588 @@
+"""A real multi-node Slurm cluster on one machine, for the tests and for trying the CLIs by hand.
+
+    python -m tests.slurm_testbed start [--dir .testbed] [--nodes 2] [--no-accounting]
+    python -m tests.slurm_testbed status|stop [--dir .testbed]
+    export SLURM_CONF=$PWD/.testbed/etc/slurm.conf      # then sinfo, sbatch, sacct, python -m jobs.submit ...
+
+Each node is its own slurmd in its own UTS namespace (so tasks see hostname tb1, tb2, ...), advertising
+8 GPUs through gres (fake device files: tasks get SLURM_GPUS_ON_NODE=8 but no CUDA_VISIBLE_DEVICES) and
+16 CPUs. Accounting is real (slurmdbd + a private MariaDB), so `sacct` works. All state (configs, spool,
+logs, pid files, the database) lives under one folder, and each folder gets its own ports, so two
+testbeds (say a developer's and CI's) can run side by side. `start` keeps a testbed that already runs
+there with the same configuration, else restarts it clean; `stop` ends only the daemons this testbed
+started, by pid, and every process of its jobs, and leaves the folder for inspection. Needs root and
+Debian's slurm-wlm, munge, slurmdbd and mariadb-server (scripts/setup.sh installs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ROOT = REPO / ".testbed"
+
+# Each root folder gets its own block of PORT_BLOCK ports in 17000-31999: never a real Slurm's (6817-6819)
+# or MariaDB's (3306), below the ephemeral range (32768+), and two testbeds (a developer's left running,
+# CI's in a fresh clone on the same machine) can run side by side. Offsets in the block:
+PORT_BLOCK, CTLD_OFFSET, DBD_OFFSET, DB_OFFSET, FIRST_NODE_OFFSET = 50, 0, 1, 2, 10
+CLUSTER_NAME, PARTITION = "taehvtb", "tb"
+DB_NAME, DB_USER = "slurm_acct_db", "slurm"
+SETUP_HINT = "run `bash scripts/setup.sh` as root to install Slurm, munge and MariaDB"
+# Unix sockets (MariaDB's, slurmd's per-step ones under the spool) must fit in 108 bytes.
+MAX_ROOT_CHARS = 70
+
+# Popen objects of the daemons this Python process started, by pid: kept so they can be reaped
+# (waited for) when stopped, instead of lingering as zombies of the test process.
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
+
+
+class TestbedError(RuntimeError):
+    """The testbed could not start; the first line of the message says why."""
+
+    __test__ = False  # not a pytest test class, despite its name
+
+
+class Testbed:
+    """A Slurm cluster of `nodes` nodes (tb1, tb2, ...) in one partition, with its state under `root`."""
+
+    __test__ = False  # not a pytest test class, despite its name
+
+    def __init__(self, root: Path | str = DEFAULT_ROOT, nodes: int = 2, gpus_per_node: int = 8,
+                 cpus_per_node: int = 16, accounting: bool = True) -> None:
+        if not 1 <= nodes <= PORT_BLOCK - FIRST_NODE_OFFSET or gpus_per_node < 0 or cpus_per_node < 1:
+            raise ValueError(f"bad testbed shape: nodes={nodes} gpus_per_node={gpus_per_node} cpus_per_node={cpus_per_node}")
+        self.root = Path(root).resolve()
+        self.nodes, self.gpus_per_node, self.cpus_per_node = nodes, gpus_per_node, cpus_per_node
+        self.accounting = accounting
+        self.etc, self.run, self.log = self.root / "etc", self.root / "run", self.root / "log"
+        self.base_port = 17000 + PORT_BLOCK * (zlib.crc32(str(self.root).encode()) % 300)
+        self.ctld_port, self.dbd_port, self.db_port = (self.base_port + o for o in (CTLD_OFFSET, DBD_OFFSET, DB_OFFSET))
+        # True when start() found this very testbed already up (e.g. started by the CLI) and kept it.
+        self.reused = False
+
+    # ----------------------------------------------------------------------------- public facts
+    @property
+    def cluster_name(self) -> str:
+        return CLUSTER_NAME
+
+    @property
+    def partition(self) -> str:
+        return PARTITION
+
+    @property
+    def node_names(self) -> list[str]:
+        return [f"tb{i}" for i in range(1, self.nodes + 1)]
+
+    @property
+    def conf(self) -> Path:
+        return self.etc / "slurm.conf"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What a client (sbatch, squeue, sacct, submitit) needs in its environment."""
+        return {"SLURM_CONF": str(self.conf)}
+
+    # ------------------------------------------------------------------------------------ start
+    def start(self) -> None:
+        """Start munge, [MariaDB, slurmdbd,] slurmctld and the slurmds; return once every node is idle.
+
+        A testbed already running in the same root with the same configuration (started by the CLI or an
+        earlier session) and healthy is kept as it is (`reused` is then true); anything else found there is
+        stopped first and started clean. On failure, what was started is stopped again.
+        """
+        self._preflight()
+        self.reused = self._already_up()
+        if self.reused:
+            return
+        self.stop()
+        self._check_ports_free()
+        try:
+            self._prepare_files()
+            self._start_munge()
+            if self.accounting:
+                self._start_mariadb()
+                self._start_slurmdbd()
+            self._start_slurmctld()
+            self._start_slurmds()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _preflight(self) -> None:
+        tools = ["slurmctld", "slurmd", "sinfo", "sbatch", "scontrol", "munged", "munge", "unshare", "hostname"]
+        if self.accounting:
+            tools += ["slurmdbd", "sacctmgr", "mariadbd", "mariadb-install-db", "mysql", "mysqladmin"]
+        missing = [t for t in tools if not _which(t)]
+        if missing:
+            raise TestbedError(f"Slurm testbed: {', '.join(missing)} not found: {SETUP_HINT}")
+        if os.geteuid() != 0:
+            raise TestbedError("Slurm testbed: needs root (it starts munged, slurmd and writes /etc/hosts): "
+                               "run the tests as root, after `bash scripts/setup.sh`")
+        if len(str(self.root)) > MAX_ROOT_CHARS:
+            raise TestbedError(f"Slurm testbed: folder path {self.root} is longer than {MAX_ROOT_CHARS} "
+                               "characters, too long for its unix sockets: use a shorter --dir")
+
+    def _node_port(self, index: int) -> int:
+        return self.base_port + FIRST_NODE_OFFSET + index
+
+    def _ports(self) -> dict[int, str]:
+        ports = {self.ctld_port: "slurmctld"} | {self._node_port(i): f"slurmd {n}" for i, n in enumerate(self.node_names)}
+        if self.accounting:
+            ports |= {self.dbd_port: "slurmdbd", self.db_port: "MariaDB"}
+        return ports
+
+    def _daemon_names(self) -> list[str]:
+        return (["mariadbd", "slurmdbd"] if self.accounting else []) + ["slurmctld"] + [f"slurmd-{n}" for n in self.node_names]
+
+    def _already_up(self) -> bool:
+        """This root's testbed, with exactly this configuration, runs and answers."""
+        if not self.conf.exists() or self.conf.read_text() != self._slurm_conf() or not _munge_works():
+            return False
+        running = self._recorded_pids()
+        if any(name not in running for name in self._daemon_names()):
+            return False
+        if "is UP" not in (_run(["scontrol", "ping"], self.env, timeout_s=5) or ""):
+            return False
+        states = (_run(["sinfo", "-h", "-N", "-o", "%N %t"], self.env, timeout_s=5) or "").split()
+        healthy = {"idle", "mix", "alloc", "comp"}
+        return sorted(states[::2]) == sorted(self.node_names) and all(s in healthy for s in states[1::2])
+
+    def _check_ports_free(self) -> None:
+        for port, what in self._ports().items():
+            with socket.socket() as probe:
+                probe.settimeout(0.5)
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    raise TestbedError(f"Slurm testbed: port {port} (for {what}) is already in use, by a daemon "
+                                       f"this testbed ({self.root}) did not start: stop that Slurm/testbed first")
+
+    def _prepare_files(self) -> None:
+        for sub in ("etc", "run", "log", "dev", "spool/ctld", *(f"spool/{n}" for n in self.node_names)):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        # gres drops GPUs without device files; plain files are enough for Slurm to count them.
+        for i in range(self.gpus_per_node):
+            (self.root / "dev" / f"nvidia{i}").touch()
+        _map_to_loopback(self.node_names)
+        if self.accounting:
+            password_file = self.etc / "db.password"
+            if not password_file.exists():
+                password_file.touch(mode=0o600)
+                password_file.write_text(secrets.token_hex(16))
+            # slurmdbd has no option for its config: it reads slurmdbd.conf beside SLURM_CONF.
+            _write_private(self.etc / "slurmdbd.conf", "\n".join([
+                "AuthType=auth/munge", "DbdHost=localhost", f"DbdPort={self.dbd_port}", "SlurmUser=root",
+                "StorageType=accounting_storage/mysql", "StorageHost=127.0.0.1", f"StoragePort={self.db_port}",
+                f"StorageUser={DB_USER}", f"StoragePass={password_file.read_text().strip()}", f"StorageLoc={DB_NAME}",
+                f"LogFile={self.log}/slurmdbd.log", f"PidFile={self.run}/slurmdbd.own.pid",
+            ]) + "\n")
+        self.conf.write_text(self._slurm_conf())
+        gres = ""
+        if self.gpus_per_node:
+            files = "nvidia0" if self.gpus_per_node == 1 else f"nvidia[0-{self.gpus_per_node - 1}]"
+            gres = f"Name=gpu File={self.root}/dev/{files}\n"
+        (self.etc / "gres.conf").write_text(gres)
+
+    def _slurm_conf(self) -> str:
+        r = self.root
+        lines = [
+            f"ClusterName={CLUSTER_NAME}",
+            "SlurmctldHost=localhost(127.0.0.1)",
+            f"SlurmctldPort={self.ctld_port}",
+            "SlurmUser=root", "SlurmdUser=root",
+            "AuthType=auth/munge", "CredType=cred/munge",
+            # A requeued job may only start again once its old credential expired (default 120 s).
+            "AuthInfo=cred_expire=10",
+            f"StateSaveLocation={r}/spool/ctld", f"SlurmdSpoolDir={r}/spool/%n",
+            f"SlurmctldPidFile={r}/run/slurmctld.own.pid", f"SlurmdPidFile={r}/run/slurmd-%n.own.pid",
+            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none", "SwitchType=switch/none",
+            # CR_Core: several small jobs share a node concurrently, each with its own cores and GPUs.
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
+            "JobRequeue=1", "ReturnToService=2", "KillWait=30", "InactiveLimit=0",
+            # Lets a 2-core machine declare 16 CPUs per node (enough for 8 tasks) and any memory.
+            "SlurmdParameters=config_overrides",
+            # Jobs start on the main scheduler's periodic pass: every second (default 60 s), so a job starts
+            # ~0.5 s after sbatch and a requeued one as soon as its old credential expired. Backfill (which
+            # lets small jobs pass a blocked big one) cycles every 2 s instead of 30.
+            "SchedulerParameters=sched_interval=1,bf_interval=2",
+            # Finished jobs stay in squeue (state COMPLETED/FAILED) for 5 min: tests read the final state
+            # there even without accounting; with it, sacct has it within a second anyway.
+            "MinJobAge=300",
+            "JobCompType=jobcomp/none", "MailProg=/bin/true",  # no mail on this machine: keeps the log clean
+        ]
+        if self.gpus_per_node:
+            lines.append("GresTypes=gpu")
+        if self.accounting:
+            lines += ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=localhost",
+                      f"AccountingStoragePort={self.dbd_port}", "JobAcctGatherType=jobacct_gather/linux"]
+        else:
+            lines += ["AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none"]
+        memory_mb = max(1000, _memory_mb() // self.nodes)  # only checked against --mem requests (CR_Core)
+        gres = f" Gres=gpu:{self.gpus_per_node}" if self.gpus_per_node else ""
+        for i, name in enumerate(self.node_names):
+            lines.append(f"NodeName={name} NodeAddr=127.0.0.1 Port={self._node_port(i)} CPUs={self.cpus_per_node} "
+                         f"Boards=1 SocketsPerBoard=1 CoresPerSocket={self.cpus_per_node} ThreadsPerCore=1 "
+                         f"RealMemory={memory_mb}{gres} State=UNKNOWN")
+        lines.append(f"PartitionName={PARTITION} Nodes={','.join(self.node_names)} Default=YES "
+                     "MaxTime=INFINITE State=UP")
+        return "\n".join(lines) + "\n"
+
+    def _start_munge(self) -> None:
+        if _munge_works():
+            return  # a munged already serves the default socket (the system's): use it, never stop it
+        key = Path("/etc/munge/munge.key")
+        for folder in ("/etc/munge", "/var/lib/munge", "/var/log/munge", "/run/munge"):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        if not key.exists():
+            key.write_bytes(secrets.token_bytes(1024))
+        subprocess.run(["chown", "-R", "munge:munge", "/etc/munge", "/var/lib/munge", "/var/log/munge", "/run/munge"],
+                       check=True)
+        key.chmod(0o400)
+        # As the munge user, in the foreground (so its pid is ours to stop and reap); --force: a munged
+        # killed earlier may have left its socket behind.
+        self._spawn("munged", ["munged", "--foreground", "--force"], user="munge")
+        self._wait(_munge_works, 10, "munged", Path("/var/log/munge/munged.log"), "munged")
+
+    def _start_mariadb(self) -> None:
+        """A private MariaDB (own datadir, socket and port under root): no system service is touched."""
+        datadir, sock = self.root / "db", self.run / "mysqld.sock"
+        if not (datadir / ".installed").exists():  # once per root: ~3 s
+            shutil.rmtree(datadir, ignore_errors=True)
+            with open(self.log / "mariadb-install.log", "wb") as out:
+                done = subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={datadir}", "--user=root",
+                                       "--auth-root-authentication-method=socket", "--skip-test-db"],
+                                      stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                raise TestbedError(f"Slurm testbed: mariadb-install-db failed; {_tail(self.log / 'mariadb-install.log')}")
+            (datadir / ".installed").touch()
+        self._spawn("mariadbd", [
+            "mariadbd", "--no-defaults", f"--datadir={datadir}", f"--socket={sock}", f"--port={self.db_port}",
+            "--bind-address=127.0.0.1", f"--pid-file={self.run}/mariadbd.own.pid", f"--log-error={self.log}/mariadbd.log",
+            "--user=root", "--skip-name-resolve",
+            # A throwaway database: no fsync per commit (each job start and end is one); and the sizes
+            # slurmdbd checks for, so it logs no "not recommended" error.
+            "--innodb-flush-log-at-trx-commit=2", "--innodb-buffer-pool-size=512M",
+            "--innodb-lock-wait-timeout=900",
+        ])
+        self._wait(lambda: _ok(["mysqladmin", "--no-defaults", f"--socket={sock}", "ping"]), 60, "MariaDB",
+                   self.log / "mariadbd.log", "mariadbd")
+        password = (self.etc / "db.password").read_text().strip()
+        account = f"'{DB_USER}'@'127.0.0.1'"  # slurmdbd connects over TCP; --skip-name-resolve: by address
+        sql = (f"CREATE DATABASE IF NOT EXISTS {DB_NAME};"
+               f"CREATE USER IF NOT EXISTS {account} IDENTIFIED BY '{password}';"
+               f"ALTER USER {account} IDENTIFIED BY '{password}';"
+               f"GRANT ALL ON {DB_NAME}.* TO {account};")
+        # The SQL goes through stdin so the password never shows in `ps`.
+        done = subprocess.run(["mysql", "--no-defaults", f"--socket={sock}", "-u", "root"], input=sql,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise TestbedError(f"Slurm testbed: creating the accounting database failed: {done.stderr.strip()}")
+
+    def _start_slurmdbd(self) -> None:
+        self._spawn("slurmdbd", ["slurmdbd", "-D"])
+        clusters = ["sacctmgr", "-n", "-P", "list", "cluster", "format=cluster"]
+        self._wait(lambda: _run(clusters, self.env) is not None, 60, "slurmdbd", self.log / "slurmdbd.log", "slurmdbd")
+        if CLUSTER_NAME not in (_run(clusters, self.env, check=True) or "").split():
+            _run(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], self.env, check=True)
+
+    def _start_slurmctld(self) -> None:
+        # -c: forget the jobs of an earlier run (their nodes are gone) but keep the job id sequence, so ids
+        # keep growing across restarts and sacct never mixes two runs' jobs.
+        self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
+        self._wait(lambda: "is UP" in (_run(["scontrol", "ping"], self.env) or ""), 30, "slurmctld",
+                   self.log / "slurmctld.log", "slurmctld")
+
+    def _start_slurmds(self) -> None:
+        for name in self.node_names:
+            # Own UTS namespace: the node's tasks see `hostname` == tbN. exec keeps one pid for the daemon.
+            self._spawn(f"slurmd-{name}", ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec slurmd -D -N "$0" -f "$1"',
+                                           name, str(self.conf)])
+        names = self.node_names
+
+        def all_idle() -> bool:
+            for name in names:
+                if not self._daemon_alive(f"slurmd-{name}"):
+                    raise TestbedError(f"Slurm testbed: slurmd {name} exited during start-up; "
+                                       f"{_tail(self.log / f'slurmd-{name}.log', self.log / f'slurmd-{name}.out')}")
+            states = dict(line.split() for line in (_run(["sinfo", "-h", "-N", "-o", "%N %t"], self.env) or "").splitlines()
+                          if len(line.split()) == 2)
+            return all(states.get(n) == "idle" for n in names)
+
+        self._wait(all_idle, 60, "the nodes (idle)", self.log / "slurmctld.log")
+
+    # ------------------------------------------------------------------------------------- stop
+    def stop(self) -> None:
+        """Stop the daemons this testbed started (by their pid files), and every job process on its nodes."""
+        if not self.run.is_dir():
+            return
+        pids = self._recorded_pids()
+        if "slurmctld" in pids:
+            # Cancel what still runs, so accounting closes those jobs (CANCELLED) instead of leaving them RUNNING.
+            ids = (_run(["squeue", "-h", "-o", "%A"], self.env) or "").split()
+            if ids:
+                _run(["scancel", *ids], self.env)
+        slurmds = [pid for name, pid in pids.items() if name.startswith("slurmd-")]
+        namespaces = {_uts(pid) for pid in slurmds}
+        # Give cancelled tasks a moment to end on SIGTERM; then SIGKILL what is left (submitit's tasks ignore
+        # SIGTERM, and Slurm would wait KillWait=30 s): slurmstepd and the tasks, which would outlive slurmd
+        # and which slurmd would otherwise wait for before it exits.
+        _wait_until(lambda: not self._job_processes(namespaces, exclude=slurmds), 2)
+        _terminate(self._job_processes(namespaces, exclude=slurmds), sig=signal.SIGKILL)
+        _terminate(slurmds)
+        _terminate(self._job_processes(namespaces, exclude=[]), sig=signal.SIGKILL)  # in case slurmd forked more
+        for name in ("slurmctld", "slurmdbd", "mariadbd"):
+            if name in pids:
+                _terminate([pids[name]], timeout_s=20)
+        # The munged we started may since serve another Slurm (another testbed, which found it running and
+        # so reused it): then it stays up for that one.
+        if "munged" in pids and not _other_slurm_daemons():
+            _terminate([pids["munged"]])
+        for pid_file in self.run.glob("*.pid"):
+            pid_file.unlink(missing_ok=True)
+
+    def _recorded_pids(self) -> dict[str, int]:
+        """name -> pid of the daemons whose pid file is here and which are still alive and ours."""
+        found: dict[str, int] = {}
+        for pid_file in self.run.glob("*.pid"):
+            name = pid_file.stem
+            if name.endswith(".own"):
+                continue  # the daemons' own pid files: ours are authoritative
+            try:
+                pid = int(pid_file.read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                pid_file.unlink(missing_ok=True)
+                continue
+            if self._is_ours(name, pid):
+                found[name] = pid
+            else:
+                pid_file.unlink(missing_ok=True)  # stale: that process is gone, or the pid now is someone else's
+        return found
+
+    def _is_ours(self, name: str, pid: int) -> bool:
+        if not _alive(pid):
+            return False
+        if name == "munged":
+            return _read(f"/proc/{pid}/comm").strip() == "munged"
+        # Every daemon we start names the root in its command line or (slurmdbd) in SLURM_CONF.
+        marker = str(self.root)
+        return marker in _read(f"/proc/{pid}/cmdline").replace("\0", " ") or marker in _read(f"/proc/{pid}/environ")
+
+    def _daemon_alive(self, name: str) -> bool:
+        pid_file = self.run / f"{name}.pid"
+        try:
+            return _alive(int(pid_file.read_text().split()[0]))
+        except (OSError, ValueError, IndexError):
+            return False
+
+    def _job_processes(self, namespaces: set[str], exclude: Iterable[int]) -> list[int]:
+        """Every process on this testbed's nodes (slurmstepd, batch scripts, tasks), but `exclude`.
+
+        A node is a UTS namespace: those of our live slurmds (`namespaces`), and any other (not ours, the
+        host's) where a process carries this testbed's SLURM_CONF: the node of a slurmd that died, whose
+        slurmstepds (they inherit slurmd's environment) and tasks live on.
+        """
+        host, marker = _uts(os.getpid()), f"SLURM_CONF={self.conf}\0"
+        processes = {int(e.name): _uts(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit()}
+        nodes = set(namespaces) | {ns for pid, ns in processes.items()
+                                   if ns != host and marker in _read(f"/proc/{pid}/environ")}
+        nodes -= {host, ""}
+        skip = set(exclude) | {os.getpid()}
+        return [pid for pid, ns in processes.items() if ns in nodes and pid not in skip and _alive(pid)]
+
+    # ---------------------------------------------------------------------------------- helpers
+    def _spawn(self, name: str, argv: list[str], user: str | None = None) -> None:
+        with open(self.log / f"{name}.out", "ab") as out:
+            proc = subprocess.Popen(argv, env=_environ(self.env), stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True,  # no Ctrl-C from our terminal
+                                    user=user, group=user, extra_groups=[] if user else None)
+        _CHILDREN[proc.pid] = proc
+        (self.run / f"{name}.pid").write_text(f"{proc.pid}\n")
+
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str, log: Path, daemon: str | None = None) -> None:
+        """Poll `ready` until it is true; fail fast if `daemon` exits meanwhile, with its log's tail."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if ready():
+                return
+            if daemon and not self._daemon_alive(daemon):
+                raise TestbedError(f"Slurm testbed: {what} exited during start-up; {_tail(log, self.log / f'{daemon}.out')}")
+            if time.monotonic() > deadline:
+                raise TestbedError(f"Slurm testbed: {what} not ready after {timeout_s:.0f} s; {_tail(log)}")
+            time.sleep(0.1)
+
+    def status(self) -> str:
+        lines = [f"{name}: pid {pid}" for name, pid in sorted(self._recorded_pids().items())]
+        if not lines:
+            return f"no testbed daemon running under {self.root}"
+        lines.append(_run(["sinfo", "-N", "-o", "%N %P %t %c %G"], self.env) or "sinfo failed")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- module helpers
+def _which(tool: str) -> str | None:
+    return shutil.which(tool, path=_environ({})["PATH"])
+
+
+def _environ(extra: Mapping[str, str]) -> dict[str, str]:
+    """Our environment plus `extra`, with /usr/sbin on PATH: Debian puts the daemons there, and not every
+    PATH has it (a non-login shell, CI)."""
+    path = os.environ.get("PATH", "/usr/bin:/bin")
+    missing = [d for d in ("/usr/sbin", "/sbin") if d not in path.split(":")]
+    return {**os.environ, **extra, "PATH": ":".join([path, *missing])}
+
+
+def _run(argv: list[str], env: Mapping[str, str], check: bool = False, timeout_s: float = 20) -> str | None:
+    """stdout of a short client command, or None if it failed (raises instead when check)."""
+    try:
+        done = subprocess.run(argv, env=_environ(env), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        if check:
+            raise TestbedError(f"Slurm testbed: `{' '.join(argv)}` hung for {timeout_s:.0f} s") from None
+        return None
+    if done.returncode != 0:
+        if check:
+            raise TestbedError(f"Slurm testbed: `{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
+        return None
+    return done.stdout
+
+
+def _ok(argv: list[str]) -> bool:
+    return subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+
+
+def _munge_works() -> bool:
+    return _ok(["munge", "-n"])
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _uts(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/uts")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    child = _CHILDREN.get(pid)
+    if child is not None:
+        if child.poll() is None:
+            return True
+        del _CHILDREN[pid]  # reaped
+        return False
+    stat = _read(f"/proc/{pid}/stat")
+    return bool(stat) and stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")  # a zombie is dead
+
+
+def _wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _terminate(pids: list[int], sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10) -> None:
+    """Send `sig` to each pid, wait for all to end, SIGKILL the ones that would not."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    if not _wait_until(lambda: not any(map(_alive, pids)), timeout_s):
+        for pid in filter(_alive, pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _wait_until(lambda: not any(map(_alive, pids)), 5)
+
+
+def _other_slurm_daemons() -> list[int]:
+    """Slurm daemons still running on this machine (called once ours are stopped: so, someone else's)."""
+    names = {"slurmctld", "slurmd", "slurmdbd", "slurmstepd"}
+    return [int(p.name) for p in Path("/proc").iterdir()
+            if p.name.isdigit() and _read(f"{p}/comm").strip() in names and _alive(int(p.name))]
+
+
+def _tail(*logs: Path, lines: int = 15) -> str:
+    """The last lines of the first of `logs` that has any (a daemon's log file, else its stdout)."""
+    for log in logs:
+        text = _read(str(log)).rstrip()
+        if text:
+            return f"last lines of {log}:\n" + "\n".join(text.splitlines()[-lines:])
+    return f"nothing logged in {', '.join(map(str, logs))}"
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.touch(mode=0o600)
+    path.chmod(0o600)  # slurmdbd refuses a slurmdbd.conf others can read (it holds the DB password)
+    path.write_text(text)
+
+
+def _memory_mb() -> int:
+    for line in _read("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024
+    return 4000
+
+
+def _map_to_loopback(names: list[str]) -> None:
+    """Make the node names resolve to 127.0.0.1 (MASTER_ADDR is the first node's name), idempotently."""
+    hosts = Path("/etc/hosts")
+    known: dict[str, str] = {}
+    for line in hosts.read_text().splitlines():
+        fields = line.split("#", 1)[0].split()
+        for name in fields[1:]:
+            known.setdefault(name, fields[0])
+    wrong = [f"{n} -> {known[n]}" for n in names if n in known and not known[n].startswith("127.")]
+    if wrong:
+        raise TestbedError(f"Slurm testbed: /etc/hosts maps {', '.join(wrong)}, not to 127.0.0.1: fix /etc/hosts")
+    missing = [n for n in names if n not in known]
+    if missing:
+        with hosts.open("a") as out:
+            out.write(f"127.0.0.1 {' '.join(missing)}  # taehv-slurm testbed nodes\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.slurm_testbed",
+                                     description="A real multi-node Slurm cluster on this machine (needs root).")
+    parser.add_argument("action", choices=["start", "stop", "status"])
+    parser.add_argument("--dir", type=Path, default=DEFAULT_ROOT, help="state folder (default: <repo>/.testbed)")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--no-accounting", action="store_true", help="no slurmdbd/MariaDB (sacct will not work)")
+    args = parser.parse_args(argv)
+    bed = Testbed(args.dir, nodes=args.nodes, accounting=not args.no_accounting)
+    try:
+        if args.action == "start":
+            began = time.monotonic()
+            bed.start()
+            how = "already running, kept" if bed.reused else f"up in {time.monotonic() - began:.1f} s"
+            print(f"testbed {how}; for the clients:\n  export SLURM_CONF={bed.conf}")
+            print(bed.status())
+        elif args.action == "stop":
+            bed.stop()
+            print(f"testbed under {bed.root} stopped")
+        else:
+            print(bed.status())
+    except TestbedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

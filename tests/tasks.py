@@ -1,0 +1,15 @@
+"""Small callables the Slurm tests submit (importable on the nodes as tests.tasks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from taehv_slurm.checkpoint import Checkpointer
+
+
+class CrashAfterStart:
+    """Marks its start like the trainer does, then fails: a requeue loop with no progress."""
+
+    def __call__(self, ctx: Any) -> None:
+        ctx.started(Checkpointer(ctx.run_dir / "checkpoints").latest_step() or 0)
+        raise RuntimeError("simulated crash right after the restart")

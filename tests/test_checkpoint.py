@@ -1,0 +1,135 @@
+"""Atomic checkpoints on the real filesystem: round trip, retention, async, SIGKILL mid-write, disk full."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from taehv_slurm.checkpoint import Checkpointer, CheckpointError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def state_for(step: int, mib: float = 1.0) -> dict:
+    n = int(mib * 2**20 / 4)
+    return {"params": {"w": torch.full((n,), float(step)), "b": torch.arange(7.0) + step}, "optimizer_step": step,
+            "rng": [{"torch": torch.get_rng_state()}], "note": "plain values only"}
+
+
+def test_round_trip_and_latest(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "ck", keep=2)
+    assert ckpt.load_latest() is None
+    ckpt.save(state_for(10), 10, {"world_size": 4})
+    ckpt.save(state_for(20), 20, {"world_size": 4})
+    step, state, meta = ckpt.load_latest()
+    assert step == 20 and meta["world_size"] == 4 and meta["step"] == 20
+    assert torch.equal(state["params"]["w"], torch.full_like(state["params"]["w"], 20.0))
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step_00000020"
+    assert oct((tmp_path / "ck").stat().st_mode & 0o777) == oct(0o700)
+
+
+def test_retention_keeps_the_last_k(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, keep=3)
+    for step in range(1, 7):
+        ckpt.save(state_for(step, 0.01), step)
+    assert ckpt.steps() == [4, 5, 6]
+
+
+def test_async_save_returns_before_the_write_and_lands(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, keep=2)
+    start = time.perf_counter()
+    ckpt.save(state_for(5, 64), 5, blocking=False)
+    handed_off = time.perf_counter() - start
+    ckpt.wait()
+    assert ckpt.load_latest()[0] == 5
+    assert handed_off < ckpt.last_save_seconds  # training continued while the writer fsynced
+
+
+def test_load_refuses_what_it_cannot_read(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(state_for(3, 0.01), 3)
+    (tmp_path / "step_00000003" / "state.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_latest()
+    assert "delete that folder" in str(err.value) and "\n" not in str(err.value)
+
+
+# A zygote process imports torch once, never starts a thread pool, and forks one writer per trial
+# (forking the test process itself could deadlock on torch's intra-op threads).
+ZYGOTE = """
+import os, sys, torch
+torch.set_num_threads(1)
+from taehv_slurm.checkpoint import Checkpointer
+directory = sys.argv[1]
+for line in sys.stdin:
+    first = int(line)
+    pid = os.fork()
+    if pid == 0:
+        ckpt, step = Checkpointer(directory, keep=2), first
+        while True:
+            step += 1
+            n = 2**20
+            state = {"params": {"w": torch.full((n,), float(step)), "b": torch.arange(7.0) + step}, "optimizer_step": step}
+            ckpt.save(state, step, blocking=step % 2 == 0)
+    print(pid, flush=True)
+    os.waitpid(pid, 0)
+    print("reaped", flush=True)
+"""
+
+
+def test_sigkill_at_random_instants_never_leaves_a_partial_latest(tmp_path: Path) -> None:
+    rng = random.Random(1234)
+    directory = tmp_path / "ck"
+    Checkpointer(directory).save(state_for(0, 4), 0)
+    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(directory)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    steps_seen = []
+    try:
+        for trial in range(25):
+            zygote.stdin.write(f"{1000 * (trial + 1)}\n")
+            zygote.stdin.flush()
+            pid = int(zygote.stdout.readline())
+            time.sleep(rng.uniform(0.05, 0.8))
+            os.kill(pid, signal.SIGKILL)
+            assert zygote.stdout.readline().strip() == "reaped"
+            step, state, meta = Checkpointer(directory).load_latest()
+            assert meta["step"] == step == state["optimizer_step"]
+            assert torch.equal(state["params"]["w"], torch.full_like(state["params"]["w"], float(step)))
+            steps_seen.append(step)
+    finally:
+        zygote.kill()
+        zygote.wait()
+    assert len(set(steps_seen)) > 5, steps_seen  # the kills landed at many different points of the writes
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.fail(f"cannot mount a small tmpfs for the disk-full test (needs root): {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_keeps_the_previous_latest(small_disk: Path) -> None:
+    ckpt = Checkpointer(small_disk / "ck", keep=3)
+    ckpt.save(state_for(1, 1), 1)
+    with pytest.raises(CheckpointError) as err:
+        ckpt.save(state_for(2, 2.5), 2)
+    message = str(err.value)
+    assert "No space left on device" in message and "previous checkpoint (step 1) is intact" in message
+    step, state, _ = ckpt.load_latest()
+    assert step == 1 and state["optimizer_step"] == 1
+    assert not list((small_disk / "ck").glob("*.tmp-*"))  # the partial write was cleaned up

@@ -1,0 +1,123 @@
+"""Zero-loss checkpoint-requeue on the real Slurm testbed (CPU, gloo, tiny config).
+
+Every interrupted run is compared with an uninterrupted run of the same config submitted at the
+same time: the final weights and optimizer state must be bit-identical, and no step may run twice.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from jobs.submit import submit_training
+from taehv_slurm.handle import JobHandle, submit
+from taehv_slurm.requeue import EventLog
+from tests.helpers import (
+    assert_identical,
+    final_state,
+    last_step,
+    make_cluster,
+    metrics,
+    tiny_train,
+    train_losses,
+    wait_done,
+    wait_for,
+)
+from tests.tasks import CrashAfterStart
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000, "batch.per_gpu": 2}
+
+
+def events(handle: JobHandle, kind: str) -> list[dict]:
+    return [e for e in EventLog(Path(handle.run_dir) / "events.jsonl").read() if e["event"] == kind]
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    return [row["step"] for row in metrics(run_dir) if "loss" in row]
+
+
+def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=2, time_min=30)
+    train = tiny_train(steps=45, **EXACT)
+    reference = submit_training(cluster, train, "reference")[0]
+    preempted = submit_training(cluster, train, "preempted")[0]
+    rng = random.Random(7)
+    for n, at in enumerate(sorted(rng.sample(range(4, 40), 3)), start=1):
+        wait_for(lambda at=at: last_step(preempted.run_dir) >= at, 600, f"step {at}")
+        subprocess.run(["scontrol", "requeue", preempted.job_id], check=True)
+        wait_for(lambda n=n: len(events(preempted, "start")) > n, 600, f"restart {n}")
+    assert wait_done(preempted.job_id, 900) == "COMPLETED", preempted.tail(60)
+    assert wait_done(reference.job_id, 900) == "COMPLETED", reference.tail(60)
+
+    requeues = events(preempted, "requeue")
+    assert [e["reason"] for e in requeues] == ["preempted"] * 3
+    assert all(e["signal_to_saved_s"] < 10 and e["seconds_lost"] == 0 for e in requeues)
+    assert trained_steps(preempted.run_dir) == list(range(1, 46))  # every step exactly once
+    assert [e["step"] for e in events(preempted, "start")] == [0] + [e["step"] for e in requeues]
+    _, ref_state, _ = final_state(reference.run_dir)
+    step, state, _ = final_state(preempted.run_dir)
+    assert step == 45
+    for key in ("params", "exp_avg", "exp_avg_sq", "optimizer_step"):
+        assert_identical({key: ref_state[key]}, {key: state[key]})
+    frame = preempted.accounting()  # real sacct: one REQUEUED record per interrupted run, then COMPLETED
+    states = list(frame[frame["JobID"] == preempted.job_id]["State"])
+    assert states == ["REQUEUED"] * 3 + ["COMPLETED"]
+
+
+def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -> None:
+    # time_min=1 with USR2 45 s before the limit: the job is signalled within seconds of starting.
+    short = make_cluster(tmp_path, nodes=1, gpus_per_node=2, time_min=1, signal_delay_s=45)
+    relaxed = make_cluster(tmp_path, nodes=1, gpus_per_node=2, time_min=30)
+    train = tiny_train(steps=120, **EXACT)
+    reference = submit_training(relaxed, train, "reference")[0]
+    timed = submit_training(short, train, "timed")[0]
+    assert wait_done(timed.job_id, 1200) == "COMPLETED", timed.tail(60)
+    assert wait_done(reference.job_id, 600) == "COMPLETED", reference.tail(60)
+    requeues = events(timed, "requeue")
+    assert requeues and all(e["reason"] == "timeout" for e in requeues)
+    assert trained_steps(timed.run_dir) == list(range(1, 121))
+    _, ref_state, _ = final_state(reference.run_dir)
+    _, state, _ = final_state(timed.run_dir)
+    for key in ("params", "exp_avg", "exp_avg_sq", "optimizer_step"):
+        assert_identical({key: ref_state[key]}, {key: state[key]})
+
+
+def test_world_size_and_engine_changes_continue_the_run(tmp_path: Path) -> None:
+    """2 nodes × 2 (DDP) → 1 node × 2 (DDP) → ZeRO-2 → ZeRO-3 on 2 nodes → DDP on 1 node, one run folder."""
+    steps = 15
+    reference = submit_training(make_cluster(tmp_path, nodes=2, gpus_per_node=2),
+                                tiny_train(steps=steps, **EXACT), "reference")[0]
+    phases = [(2, "ddp", 3), (1, "ddp", 6), (1, "zero2", 9), (2, "zero3", 12), (1, "ddp", steps)]
+    for nodes, engine, until in phases:
+        handle = submit_training(make_cluster(tmp_path, nodes=nodes, gpus_per_node=2),
+                                 tiny_train(steps=until, **EXACT, **{"engine.kind": engine}), "changing")[0]
+        assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(80)
+    assert wait_done(reference.job_id, 600) == "COMPLETED", reference.tail(60)
+
+    starts = events(handle, "start")
+    assert [(e["step"], e["world_size"], e["engine"]) for e in starts] == [
+        (0, 4, "ddp"), (3, 2, "ddp"), (6, 2, "zero2"), (9, 4, "zero3"), (12, 2, "ddp")]
+    assert [e["grad_accum"] for e in starts] == [1, 2, 2, 1, 2]  # effective batch 8 held: 2 × 4 × 1 = 2 × 2 × 2
+    assert {e["effective_batch"] for e in starts} == {8}
+    assert trained_steps(handle.run_dir) == list(range(1, steps + 1))
+    # Same data, same state: the losses follow the uninterrupted run to float rounding, across every change.
+    ours, ref = train_losses(handle.run_dir), train_losses(reference.run_dir)
+    for step in range(1, steps + 1):
+        assert ours[step] == pytest.approx(ref[step], rel=2e-3), (step, ours[step], ref[step])
+
+
+def test_crash_loop_stops_with_a_reason(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path, nodes=1, gpus_per_node=1, max_requeues_without_progress=2)
+    handle = submit(CrashAfterStart(), cluster, "crashing")
+    assert wait_done(handle.job_id, 600) == "FAILED", handle.tail(60)
+    assert len(events(handle, "start")) == 3  # the first run and two requeues without progress
+    assert handle.stop_reason and handle.stop_reason.startswith("no progress: 3 starts in a row began at step 0")
+    assert "simulated crash right after the restart" in handle.stop_reason
+    assert "not requeueing: no progress" in handle.tail(200)
+    attached = JobHandle.attach(handle.job_id, tmp_path)
+    assert attached.stop_reason == handle.stop_reason and attached.state == "FAILED"

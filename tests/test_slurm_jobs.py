@@ -1,0 +1,107 @@
+"""Jobs on the real multi-node Slurm testbed: the 2 × 8 smoke job, tiny training on 2 nodes, the CLI."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.submit import submit_training
+from taehv_slurm.executor import SubmissionError, make_executor
+from taehv_slurm.handle import submit
+from taehv_slurm.smoke import SmokeTask
+from tests.helpers import REPO, final_state, make_cluster, metrics, tiny_train, wait_done
+from trainer.train import TrainTask
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+
+def test_two_nodes_times_eight_tasks_through_make_executor(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=8, rendezvous_timeout_s=120)
+    executor = make_executor(cluster, tmp_path / "submitit")
+    job = executor.submit(SmokeTask(backend="gloo"))
+    facts = job.results()
+    assert len(facts) == 16
+    assert sorted(f["rank"] for f in facts) == list(range(16))
+    hosts = {f["host"] for f in facts}
+    assert hosts == {"tb1", "tb2"}
+    for host in hosts:
+        assert sorted(f["local_rank"] for f in facts if f["host"] == host) == list(range(8))
+    assert all(f["sum"] == 120.0 and f["world_size"] == 16 and f["source"] == "slurm" for f in facts)
+    assert {f["slurm_gpus_on_node"] for f in facts} == {"8"}  # --gres=gpu:8 reached every task
+
+
+def test_sbatch_rejection_is_one_line(tmp_path: Path) -> None:
+    for overrides, needle in (({"partition": "nosuchpartition"}, "invalid partition"),
+                              ({"gpus_per_node": 16}, "requested node configuration is not available")):
+        cluster = make_cluster(tmp_path, **overrides)
+        with pytest.raises(SubmissionError) as err:
+            submit(SmokeTask(), cluster, "rejected", requeueable=False)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith("sbatch rejected the job:")
+        assert needle in message.lower()
+
+
+def test_train_task_pickles() -> None:
+    task = TrainTask(tiny_train().to_dict(), make_cluster(Path("runs")).runtime())
+    clone = pickle.loads(pickle.dumps(task))
+    assert clone.train == task.train and clone.runtime == task.runtime
+
+
+def test_tiny_training_on_two_nodes(tmp_path: Path) -> None:
+    cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=2, time_min=20)
+    train = tiny_train(steps=30, **{"intervals.log_every": 5, "intervals.val_every": 30, "batch.per_gpu": 2})
+    handle = submit_training(cluster, train, "two-nodes")[0]
+    assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(40)
+    results = handle.results()
+    assert len(results) == 4 and {r["world_size"] for r in results} == {4} and {r["step"] for r in results} == {30}
+    rows = [r for r in metrics(handle.run_dir) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25, 30]  # rank 0 only: each step once
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    step, state, meta = final_state(handle.run_dir)
+    assert step == 30 and meta["world_size"] == 4 and meta["plan"]["grad_accum"] == 1
+    logs = {r: handle.tail(200, rank=r) for r in range(4)}
+    assert "train step 30/30" in logs[0]
+    assert all("train step" not in logs[r] for r in (1, 2, 3))  # only rank 0 logs progress
+    assert not list(Path(handle.run_dir).glob("metrics*.jsonl"))[1:]  # one metrics file
+
+
+def test_cli_dry_run_imports_no_torch() -> None:
+    code = ("import sys, runpy; sys.argv=['jobs.submit','--nodes','8','--dry-run'];"
+            "\ntry:\n    runpy.run_module('jobs.submit', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('TORCH_LOADED' if 'torch' in sys.modules else 'NO_TORCH')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60).stdout
+    assert "#SBATCH --nodes=8" in out and "#SBATCH --ntasks-per-node=8" in out and "#SBATCH --gres=gpu:8" in out
+    assert "world size 64" in out and "effective batch     128 = 2 per GPU × 64 GPUs × 1" in out
+    assert out.strip().endswith("NO_TORCH")
+
+
+def test_cli_submit_smoke_and_local_training(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--task", "smoke",
+                          "--nodes", "2", "--gpus-per-node", "2", "--set", f"job_dir={tmp_path}", "--follow"],
+                         capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "submitted job" in out.stdout and "ended: COMPLETED" in out.stdout
+    assert out.stdout.count("'sum': 6.0") == 4
+    local = subprocess.run([sys.executable, "-m", "jobs.submit", "--local", "--train", "configs/train/tiny.yaml",
+                            "--set", "steps=20", "--set", "intervals.log_every=5", "--set", f"job_dir={tmp_path}"],
+                           capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-2000:]
+    assert "train step 20/20" in local.stdout and "ended: FINISHED" in local.stdout
+
+
+def test_cli_errors_are_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodse: 2\n")
+    out = subprocess.run([sys.executable, "-m", "jobs.submit", "--cluster", str(bad), "--dry-run"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"error: {bad}: unknown key 'nodse'; did you mean 'nodes'?"
+    out = subprocess.run([sys.executable, "-m", "jobs.submit", "--nodes", "3", "--dry-run"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "use 16 or 32 GPUs" in out.stderr

@@ -1,0 +1,103 @@
+"""The Slurm testbed itself, against the real cluster: its nodes, a 2 × 8 job, requeue, accounting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from tests.slurm_testbed import REPO, Testbed
+
+T = TypeVar("T")
+
+
+def sh(*argv: str, timeout_s: float = 120) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+    assert done.returncode == 0, f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr.strip()}"
+    return done.stdout
+
+
+def sbatch(*args: str) -> str:
+    """Submit, return the job id."""
+    return sh("sbatch", "--parsable", *args).strip().split(";")[0]
+
+
+def wait_for(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
+        time.sleep(0.2)
+
+
+def test_sinfo_lists_every_node_idle_with_8_gpus_and_16_cpus(slurm_cluster: Testbed) -> None:
+    def nodes() -> dict[str, list[str]] | None:
+        out = sh("sinfo", "-h", "-N", "-p", slurm_cluster.partition, "-o", "%N|%t|%G|%c|%C")
+        rows = {f[0]: f[1:] for f in (line.split("|") for line in out.split())}
+        # A node may still run another test's job: then it is allocated, not idle; otherwise idle.
+        settled = all((state == "idle") == (cpus.split("/")[0] == "0") for state, _, _, cpus in rows.values())
+        return rows if settled else None
+
+    rows = wait_for(nodes, 30, "every node without jobs to be idle")
+    assert sorted(rows) == slurm_cluster.node_names == ["tb1", "tb2"]
+    for name, (state, gres, cpus, _) in rows.items():
+        assert state in ("idle", "mix", "alloc"), f"{name} is {state}"
+        assert (gres, cpus) == ("gpu:8", "16"), name
+
+
+def test_two_nodes_times_eight_tasks(slurm_cluster: Testbed, tmp_path: Path) -> None:
+    out = tmp_path / "tasks.out"
+    report = 'echo "$SLURM_PROCID $SLURM_LOCALID $SLURM_NODEID $(hostname) $SLURM_GPUS_ON_NODE $SLURM_JOB_NODELIST"'
+    sbatch("--wait", "--nodes=2", "--ntasks-per-node=8", "--gres=gpu:8", f"--output={out}",
+           "--wrap", f"srun bash -c '{report}'")
+    rows = [line.split() for line in out.read_text().splitlines() if line.strip()]
+    assert len(rows) == 16, out.read_text()
+    assert sorted(int(r[0]) for r in rows) == list(range(16))
+    assert {r[3] for r in rows} == {"tb1", "tb2"}
+    for node_id, host in enumerate(("tb1", "tb2")):
+        mine = [r for r in rows if r[3] == host]
+        assert sorted(int(r[1]) for r in mine) == list(range(8)), host
+        assert {r[2] for r in mine} == {str(node_id)}, host
+    assert {(r[4], r[5]) for r in rows} == {("8", "tb[1-2]")}  # --gres=gpu:8 reached every task
+
+
+def test_requeue_runs_the_job_again_with_restart_count_1(slurm_cluster: Testbed, tmp_path: Path) -> None:
+    marks = tmp_path / "runs.txt"
+    # First run: mark, then wait to be requeued. The rerun marks and ends at once.
+    script = (f'echo "run ${{SLURM_RESTART_COUNT:-0}} $(hostname)" >> {marks}; '
+              '[ "${SLURM_RESTART_COUNT:-0}" -ge 1 ] && exit 0; sleep 120')
+    job = sbatch("--requeue", "--output=/dev/null", "--wrap", script)
+    wait_for(lambda: marks.exists() and marks.read_text(), 30, "the first run to start")
+    sh("scontrol", "requeue", job)
+    requeued = time.monotonic()
+    wait_for(lambda: marks.read_text().count("run") >= 2, 60, "the requeued job to run again")
+    print(f"requeued job ran again {time.monotonic() - requeued:.1f} s after `scontrol requeue`")
+    runs = [line.split()[:2] for line in marks.read_text().splitlines()]
+    assert runs == [["run", "0"], ["run", "1"]]
+    # sacct in this Slurm has no restart counter; the controller has it.
+    assert "Restarts=1" in sh("scontrol", "show", "job", job)
+
+
+def test_sacct_lists_finished_jobs_with_state_and_exit_code(slurm_cluster: Testbed) -> None:
+    ok = sbatch("--output=/dev/null", "--wrap", "true")
+    failed = sbatch("--output=/dev/null", "--wrap", "exit 3")
+
+    def finished() -> dict[str, tuple[str, str]] | None:
+        out = sh("sacct", "-n", "-P", "-X", "-j", f"{ok},{failed}", "-o", "JobID,State,ExitCode")
+        rows = {f[0]: (f[1], f[2]) for f in (line.split("|") for line in out.splitlines()) if len(f) == 3}
+        return rows if {s for s, _ in rows.values()} <= {"COMPLETED", "FAILED"} and len(rows) == 2 else None
+
+    rows = wait_for(finished, 60, "sacct to list both jobs as finished")
+    assert rows == {ok: ("COMPLETED", "0:0"), failed: ("FAILED", "3:0")}
+
+
+def test_cli_status_shows_the_daemons_and_nodes(slurm_cluster: Testbed) -> None:
+    out = sh(sys.executable, "-m", "tests.slurm_testbed", "status", "--dir", str(slurm_cluster.root), timeout_s=60)
+    assert "slurmctld: pid" in out and "slurmdbd: pid" in out
+    assert all(f"slurmd-{n}: pid" in out for n in slurm_cluster.node_names)
+    assert "tb1 tb* " in out and "gpu:8" in out

@@ -1,0 +1,363 @@
+"""TAEHV: a tiny causal video autoencoder (our own implementation, trainable).
+
+Architecture facts follow the published model (madebyollin/taehv, see docs/taehv.md). The module tree
+is laid out so that ``state_dict()`` keys and shapes equal the published weight files'
+(``encoder.<i>.…`` / ``decoder.<i>.…`` indexed by position in two ``nn.Sequential`` stacks), so those
+files load with :func:`load_published_weights`.
+
+Differences from the published code, all for training:
+- parallel mode only (frames folded into the batch); no Python loop over frames, no progress bars;
+- no in-place activations or clamps (the published ``decode_video`` clamps in place, which zeroes the
+  gradient of every pixel outside [0, 1]); ``decode_video(clamp=False)`` returns the raw output;
+- the one cross-frame operation (MemBlock memory) is a single pad on the N×T view that keeps the
+  input's memory format, so channels_last training does not pay for layout conversions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IMAGE_CHANNELS = 3
+
+
+@dataclass
+class TAEHVConfig:
+    """Shape of a TAEHV model. The defaults are the published HunyuanVideo ``taehv``."""
+
+    latent_channels: int = 16
+    patch_size: int = 1
+    encoder_width: int = 64
+    decoder_widths: tuple[int, int, int, int] = (256, 128, 64, 64)
+    encoder_time_downscale: tuple[bool, bool, bool] = (True, True, False)
+    decoder_time_upscale: tuple[bool, bool, bool] = (False, True, True)
+    decoder_space_upscale: tuple[bool, bool, bool] = (True, True, True)
+
+    def __post_init__(self) -> None:
+        # YAML gives lists; keep tuples so configs compare and hash the same either way.
+        for f in ("decoder_widths", "encoder_time_downscale", "decoder_time_upscale", "decoder_space_upscale"):
+            setattr(self, f, tuple(getattr(self, f)))
+        expected = {"decoder_widths": 4, "encoder_time_downscale": 3, "decoder_time_upscale": 3,
+                    "decoder_space_upscale": 3}
+        for f, n in expected.items():
+            if len(getattr(self, f)) != n:
+                raise ValueError(f"TAEHVConfig.{f} needs {n} entries, got {getattr(self, f)!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TAEHVConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown TAEHVConfig key {key!r}; known keys: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building blocks. Attribute names (conv, skip, act) and child order fix the state-dict keys.
+
+
+def _conv3x3(c_in: int, c_out: int, stride: int = 1, bias: bool = True) -> nn.Conv2d:
+    return nn.Conv2d(c_in, c_out, kernel_size=3, stride=stride, padding=1, bias=bias)
+
+
+class Clamp(nn.Module):
+    """Soft clamp of latents to (-3, 3); smooth, so it passes gradients everywhere."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x / 3) * 3
+
+
+class MemBlock(nn.Module):
+    """Residual block that sees its own input and the previous frame's input (channel concat)."""
+
+    def __init__(self, c_in: int, c_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(
+            _conv3x3(2 * c_in, c_out), nn.ReLU(),
+            _conv3x3(c_out, c_out), nn.ReLU(),
+            _conv3x3(c_out, c_out),
+        )
+        self.skip = nn.Conv2d(c_in, c_out, 1, bias=False) if c_in != c_out else nn.Identity()
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        return self.act(self.conv(torch.cat((x, past), dim=1)) + self.skip(x))
+
+
+class TPool(nn.Module):
+    """Merge ``stride`` consecutive frames (stacked on channels) into one with a 1×1 conv."""
+
+    def __init__(self, channels: int, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv2d(channels * stride, channels, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nt, c, h, w = x.shape
+        # Frames of one clip are adjacent in the folded batch, so this groups frames within a clip.
+        return self.conv(x.reshape(nt // self.stride, self.stride * c, h, w))
+
+
+class TGrow(nn.Module):
+    """Split each frame into ``stride`` frames: a 1×1 conv to ``channels·stride``, then unstack."""
+
+    def __init__(self, channels: int, stride: int) -> None:
+        super().__init__()
+        self.stride = stride
+        self.conv = nn.Conv2d(channels, channels * stride, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nt, c, h, w = x.shape
+        # Output channel block k becomes frame k of the group (the published weights assume this).
+        return self.conv(x).reshape(nt * self.stride, c, h, w)
+
+
+def _previous_frames(x: torch.Tensor, n: int) -> torch.Tensor:
+    """For each frame of (N·T)×C×H×W, the previous frame of the same clip (zeros for frame 0).
+
+    One constant pad (pad 1 before, crop 1 after) on the time axis of the N×T view. The pad is applied
+    on a view where time lies outside channels in memory, so the result keeps the input's layout
+    (contiguous or channels_last) and reshapes back without a copy.
+    """
+    nt, c, h, w = x.shape
+    x5 = x.reshape(n, nt // n, c, h, w)
+    if x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last):
+        return F.pad(x5, (0, 0, 0, 0, 0, 0, 1, -1)).reshape(nt, c, h, w)
+    # channels_last: N×C×T×H×W is then channels_last_3d, which pad preserves.
+    shifted = F.pad(x5.transpose(1, 2), (0, 0, 0, 0, 1, -1)).transpose(1, 2)
+    return shifted.reshape(nt, c, h, w)
+
+
+def _apply_stack(stack: nn.Sequential, x: torch.Tensor, n: int) -> torch.Tensor:
+    """Run a stack on (N·T)×C×H×W, all frames at once; the frame count may change at TPool/TGrow."""
+    for block in stack:
+        x = block(x, _previous_frames(x, n)) if isinstance(block, MemBlock) else block(x)
+    return x
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+class TAEHV(nn.Module):
+    """Tiny causal video autoencoder: N×T×3×H×W in [0, 1] ↔ N×ceil(T/4)×C×H/8×W/8 latents."""
+
+    def __init__(self, config: TAEHVConfig | None = None) -> None:
+        super().__init__()
+        cfg = config if config is not None else TAEHVConfig()
+        self.config = cfg
+        p2 = cfg.patch_size**2
+        ew = cfg.encoder_width
+
+        def enc_stage(downscale: bool) -> list[nn.Module]:
+            return [TPool(ew, 2 if downscale else 1), _conv3x3(ew, ew, stride=2, bias=False),
+                    MemBlock(ew, ew), MemBlock(ew, ew), MemBlock(ew, ew)]
+
+        self.encoder = nn.Sequential(
+            _conv3x3(IMAGE_CHANNELS * p2, ew), nn.ReLU(),
+            *enc_stage(cfg.encoder_time_downscale[0]),
+            *enc_stage(cfg.encoder_time_downscale[1]),
+            *enc_stage(cfg.encoder_time_downscale[2]),
+            _conv3x3(ew, cfg.latent_channels),
+        )
+
+        w = cfg.decoder_widths
+
+        def dec_stage(i: int) -> list[nn.Module]:
+            # Identity for a disabled upsample keeps the block count, hence the state-dict indices.
+            up = nn.Upsample(scale_factor=2, mode="nearest") if cfg.decoder_space_upscale[i] else nn.Identity()
+            return [MemBlock(w[i], w[i]), MemBlock(w[i], w[i]), MemBlock(w[i], w[i]), up,
+                    TGrow(w[i], 2 if cfg.decoder_time_upscale[i] else 1), _conv3x3(w[i], w[i + 1], bias=False)]
+
+        self.decoder = nn.Sequential(
+            Clamp(), _conv3x3(cfg.latent_channels, w[0]), nn.ReLU(),
+            *dec_stage(0), *dec_stage(1), *dec_stage(2),
+            nn.ReLU(), _conv3x3(w[3], IMAGE_CHANNELS * p2),
+        )
+
+        self.t_downscale = 2 ** sum(bool(d) for d in cfg.encoder_time_downscale)
+        self.t_upscale = 2 ** sum(bool(u) for u in cfg.decoder_time_upscale)
+        # The decoder's first t_upscale - 1 frames have no input counterpart (causal warm-up).
+        self.frames_to_trim = self.t_upscale - 1
+        self.space_downscale = 8 * cfg.patch_size
+        self.space_upscale = cfg.patch_size * 2 ** sum(bool(u) for u in cfg.decoder_space_upscale)
+
+    def encode_video(self, x: torch.Tensor) -> torch.Tensor:
+        """N×T×3×H×W in [0, 1] → N×ceil(T/t_downscale)×latent_channels×H/8×W/8.
+
+        T is padded at the end by repeating the last frame. H and W must be multiples of 8·patch_size.
+        """
+        if x.ndim != 5 or x.shape[2] != IMAGE_CHANNELS:
+            raise ValueError(f"encode_video expects N×T×3×H×W frames, got shape {tuple(x.shape)}")
+        n, t, c, h, w = x.shape
+        if h % self.space_downscale or w % self.space_downscale:
+            raise ValueError(f"encode_video: H×W={h}×{w} must be multiples of {self.space_downscale}")
+        pad = -t % self.t_downscale
+        if pad:
+            x = torch.cat((x, x[:, -1:].expand(n, pad, c, h, w)), dim=1)
+            t += pad
+        x = x.reshape(n * t, c, h, w)
+        if self.config.patch_size > 1:
+            x = F.pixel_unshuffle(x, self.config.patch_size)
+        z = _apply_stack(self.encoder, x, n)
+        return z.reshape(n, -1, *z.shape[1:])
+
+    def decode_video(self, z: torch.Tensor, clamp: bool = True) -> torch.Tensor:
+        """N×L×latent_channels×h×w → N×(t_upscale·L − frames_to_trim)×3×8h×8w.
+
+        ``clamp=False`` returns the raw decoder output: take pixel losses on it (a clamp would cut
+        the gradient of every pixel outside [0, 1]). ``clamp=True`` clamps out of place.
+        """
+        if z.ndim != 5 or z.shape[2] != self.config.latent_channels:
+            raise ValueError(f"decode_video expects N×L×{self.config.latent_channels}×h×w latents, "
+                             f"got shape {tuple(z.shape)}")
+        n, length, c, h, w = z.shape
+        x = _apply_stack(self.decoder, z.reshape(n * length, c, h, w), n)
+        if self.config.patch_size > 1:
+            x = F.pixel_shuffle(x, self.config.patch_size)
+        x = x.reshape(n, -1, *x.shape[1:])[:, self.frames_to_trim:]
+        return x.clamp(0, 1) if clamp else x
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training pass: (latents, raw decoded frames). Decoded frame i matches input frame
+        i + frames_to_trim."""
+        z = self.encode_video(x)
+        return z, self.decode_video(z, clamp=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Published weights
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device="cpu")
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(sd, dict):
+        raise ValueError(f"{path}: expected a flat state dict, got {type(sd).__name__}")
+    return sd
+
+
+def _patch_tgrow(model: TAEHV, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A stored TGrow with more output frames than the model's (time upscale turned off here) keeps
+    the channels of its LAST output frame, as the published ``patch_tgrow_layers`` does."""
+    own = model.state_dict()
+    for i, block in enumerate(model.decoder):
+        key = f"decoder.{i}.conv.weight"
+        if isinstance(block, TGrow) and key in sd and sd[key].shape[0] > own[key].shape[0]:
+            sd[key] = sd[key][-own[key].shape[0]:]
+    return sd
+
+
+def _field_for(model: TAEHV, key: str, stored: torch.Size, own: torch.Size) -> str:
+    """The config field that most likely explains a shape mismatch at ``key``."""
+    stack_name, idx, *_ = key.split(".")
+    stack = getattr(model, stack_name)
+    i = int(idx)
+    block = stack[i]
+    out_differs, in_differs = stored[0] != own[0], len(stored) > 1 and stored[1] != own[1]
+    last_conv = len(stack) - 1
+    if stack_name == "encoder":
+        if i == 0 and in_differs:
+            return "patch_size"
+        if i == last_conv and out_differs:
+            return "latent_channels"
+        if isinstance(block, TPool) and in_differs and not out_differs:
+            return "encoder_time_downscale"
+        return "encoder_width"
+    if i == 1 and in_differs:
+        return "latent_channels"
+    if i == last_conv and out_differs:
+        return "patch_size"
+    if isinstance(block, TGrow) and out_differs and not in_differs:
+        return "decoder_time_upscale"
+    return "decoder_widths"
+
+
+def _check_compatible(model: TAEHV, sd: dict[str, torch.Tensor], path: Path) -> None:
+    own = model.state_dict()
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: state-dict keys do not match TAEHV (missing {len(missing)}, e.g. "
+            f"{missing[:2]}; unexpected {len(unexpected)}, e.g. {unexpected[:2]}); is it a base-architecture "
+            f"TAEHV file (not a '_super' decoder)? check encoder_width/decoder_widths")
+    for k, v in own.items():
+        if sd[k].shape != v.shape:
+            field = _field_for(model, k, sd[k].shape, v.shape)
+            raise ValueError(
+                f"{path}: {k} has shape {tuple(sd[k].shape)} in the file but {tuple(v.shape)} in the model; "
+                f"likely TAEHVConfig.{field} differs (model has {field}={getattr(model.config, field)!r})")
+
+
+def load_published_weights(model: TAEHV, path: str | Path) -> None:
+    """Load a published (or our own, same layout) ``.pth`` / ``.safetensors`` state dict, strictly."""
+    path = Path(path)
+    sd = _patch_tgrow(model, dict(_read_state_dict(path)))
+    _check_compatible(model, sd, path)
+    model.load_state_dict(sd, strict=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Size and cost
+
+
+def param_counts(model: TAEHV) -> dict[str, int]:
+    enc = sum(p.numel() for p in model.encoder.parameters())
+    dec = sum(p.numel() for p in model.decoder.parameters())
+    return {"encoder": enc, "decoder": dec, "total": sum(p.numel() for p in model.parameters())}
+
+
+def _conv_flops(conv: nn.Conv2d, frames: int, h: int, w: int) -> tuple[int, int, int]:
+    """(2·MACs, output h, output w) of one Conv2d applied to ``frames`` images of h×w."""
+    kh, kw = conv.kernel_size
+    sh, sw = conv.stride
+    ph, pw = conv.padding  # type: ignore[misc]
+    oh, ow = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+    macs = frames * oh * ow * conv.out_channels * (conv.in_channels // conv.groups) * kh * kw
+    return 2 * macs, oh, ow
+
+
+def _stack_flops(stack: nn.Sequential, t: int, h: int, w: int) -> tuple[int, int, int, int]:
+    """Walk a stack's shapes analytically: (conv FLOPs, frames, h, w) after the stack."""
+    total = 0
+    for block in stack:
+        if isinstance(block, nn.Conv2d):
+            f, h, w = _conv_flops(block, t, h, w)
+            total += f
+        elif isinstance(block, MemBlock):
+            for conv in (m for m in block.modules() if isinstance(m, nn.Conv2d)):
+                total += _conv_flops(conv, t, h, w)[0]  # all stride 1, "same" padding
+        elif isinstance(block, TPool):
+            t //= block.stride
+            total += _conv_flops(block.conv, t, h, w)[0]
+        elif isinstance(block, TGrow):
+            total += _conv_flops(block.conv, t, h, w)[0]
+            t *= block.stride
+        elif isinstance(block, nn.Upsample):
+            h, w = h * int(block.scale_factor), w * int(block.scale_factor)  # type: ignore[arg-type]
+    return total, t, h, w
+
+
+def conv_flops_per_clip(config: TAEHVConfig, frames: int, height: int, width: int) -> dict[str, int]:
+    """Forward FLOPs (2·MACs) of all convolutions for one clip: encoder on ``frames`` frames of
+    height×width, decoder on the resulting latents. Counted from layer shapes (no compute)."""
+    with torch.device("meta"):
+        model = TAEHV(config)
+    p = config.patch_size
+    t = math.ceil(frames / model.t_downscale) * model.t_downscale
+    enc, lat_t, lat_h, lat_w = _stack_flops(model.encoder, t, height // p, width // p)
+    dec, _, _, _ = _stack_flops(model.decoder, lat_t, lat_h, lat_w)
+    return {"encoder": enc, "decoder": dec, "total": enc + dec}

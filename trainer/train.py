@@ -1,0 +1,385 @@
+"""`TrainTask`: the picklable callable every rank runs. One readable loop, top to bottom:
+
+    env → process group → plan for the real world size → data, teacher, student, engine
+    → resume from `latest` (any world size, any engine) → loop:
+         agree on signals → batch → step → log / validate / checkpoint
+    → final checkpoint
+
+Only rank 0 writes metrics (JSON lines + TensorBoard) and shows progress; every rank takes part in
+saves (ZeRO-3 gathers) and in the signal agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from taehv_slurm.checkpoint import Checkpointer
+from taehv_slurm.config import TrainConfig, load_train
+from taehv_slurm.distenv import DistEnv, destroy_distributed, init_distributed
+from taehv_slurm.plan import ScalePlan, plan_for
+from taehv_slurm.requeue import RunContext
+
+from .data import ClipSpec, GlobalOrder, SyntheticClips, VideoFolderClips, step_batches
+from .engine import Engine, make_engine
+from .losses import DistillModule, load_teacher, lr_at
+from .model import TAEHV, TAEHVConfig, load_published_weights
+
+log = logging.getLogger("taehv")
+
+
+class IncompatibleCheckpointError(ValueError):
+    """The checkpoint was trained with another model shape; the message names the fields."""
+
+
+class TrainTask:
+    """Train TAEHV with `train` (a TrainConfig dict) under `runtime` (ClusterConfig.runtime()).
+
+    Called by RequeueableTask with a RunContext; call it with no argument to run standalone.
+    """
+
+    def __init__(self, train: Mapping[str, Any], runtime: Mapping[str, Any] | None = None) -> None:
+        self.train = dict(train)
+        self.runtime = dict(runtime or {})
+
+    def __call__(self, ctx: RunContext | None = None) -> dict[str, Any]:
+        cfg = load_train(self.train)
+        ctx = ctx or RunContext.standalone(self.runtime.get("run_dir") or Path("runs") / cfg.name)
+        env = ctx.env
+        _setup_logging(env)
+        device = _device(self.runtime.get("device", "auto"), env)
+        torch.set_num_threads(int(self.runtime.get("torch_threads") or 1))
+        plan = plan_for(env.num_nodes, env.local_world_size, cfg, gpu_memory_gb=self.runtime.get("gpu_memory_gb", 80.0),
+                        cpus_per_task=self.runtime.get("cpus_per_task"), device=device.type)
+        for key, value in plan.nccl_env.items():
+            os.environ.setdefault(key, value)
+        init_distributed(env, self.runtime.get("dist_backend", "auto"),
+                         timeout_s=self.runtime.get("collective_timeout_s") or plan.nccl_timeout_s,
+                         rendezvous_timeout_s=self.runtime.get("rendezvous_timeout_s", 300),
+                         use_cuda=device.type == "cuda")
+        try:
+            return Trainer(cfg, plan, env, device, ctx).run()
+        finally:
+            destroy_distributed()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, plan: ScalePlan, env: DistEnv, device: torch.device, ctx: RunContext) -> None:
+        self.cfg, self.plan, self.env, self.device, self.ctx = cfg, plan, env, device, ctx
+        self.run_dir = ctx.run_dir
+        self.main = env.rank == 0
+        self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.intervals.keep_checkpoints,
+                                        group=os.environ.get("TAEHV_SHARED_GROUP") or None,
+                                        trust_root=self.run_dir)
+
+    # ---------------------------------------------------------------------------------- setup
+    def build(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        self.train_source, self.val_source = build_sources(cfg)
+        self.teacher = None
+        if cfg.teacher.kind != "none":
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            self.teacher = load_teacher(cfg.teacher.kind, cfg.teacher.path or "", cfg.teacher.scaling_factor,
+                                        cfg.seed).to(self.device, dtype)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        student = TAEHV(TAEHVConfig.from_dict(_model_fields(cfg)))
+        if cfg.model.init_from:
+            load_published_weights(student, cfg.model.init_from)
+        else:  # from scratch: start the decoder at mid-grey, as the author's training recipe does
+            torch.nn.init.constant_(student.decoder[-1].bias, 0.5)
+        student.to(self.device)
+        if cfg.engine.channels_last and self.device.type == "cuda":
+            student.to(memory_format=torch.channels_last)
+        module = DistillModule(student, cfg.loss.latent_weight, cfg.loss.reconstruction_weight, cfg.loss.decoder_weight)
+        self.engine: Engine = make_engine(
+            plan.engine, module, self.device, precision=plan.precision, grad_clip=cfg.optim.grad_clip,
+            lr=plan.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
+            compile=cfg.engine.compile and self.device.type == "cuda",
+            per_gpu_batch=plan.per_gpu_batch, grad_accum=plan.grad_accum,
+        )
+
+    def resume(self) -> int:
+        loaded = self.checkpoints.load_latest()
+        if loaded is None:
+            return 0
+        step, state, meta = loaded
+        check_compatible(meta, self.cfg, self.checkpoints.directory / f"step_{step:08d}")
+        self.engine.load_full_state(state)
+        rng = state.get("rng") or []
+        if len(rng) == self.env.world_size:  # same layout: each rank continues its own streams
+            _set_rng(rng[self.env.rank])
+        else:  # another world size: fresh, deterministic per-rank streams (data order does not use them)
+            _seed_all(self.cfg.seed * 1_000_003 + step * 1009 + self.env.rank)
+        if self.main:
+            log.info("resumed from step %d (saved by %d ranks, engine %s; now %d ranks, engine %s)",
+                     step, meta.get("world_size", 0), meta.get("engine"), self.env.world_size, self.plan.engine)
+        return step
+
+    # ------------------------------------------------------------------------------------ loop
+    def run(self) -> dict[str, Any]:
+        cfg, plan, env, ctx = self.cfg, self.plan, self.env, self.ctx
+        self.build()
+        step = self.resume()
+        ctx.started(step, engine=plan.engine, effective_batch=plan.effective_batch, grad_accum=plan.grad_accum)
+        if self.main:
+            log.info("plan for %d ranks:\n%s", env.world_size, plan.table())
+        metrics = MetricsWriter(self.run_dir, step, enabled=self.main, total=cfg.steps)
+        order = GlobalOrder(len(self.train_source), cfg.seed)
+        batches = step_batches(self.train_source, order, step, plan.per_gpu_batch, plan.grad_accum, env.world_size,
+                               env.rank, num_workers=plan.num_workers, prefetch_factor=plan.prefetch_factor,
+                               pin_memory=self.device.type == "cuda")
+        window_start, window_steps = time.perf_counter(), 0
+        last = {}
+        while step < cfg.steps:
+            reason = ctx.should_stop(self.device)
+            if reason:
+                self.save(step, blocking=True)
+                metrics.close()
+                ctx.requeue_after_save(step, reason)
+            _, microbatches = next(batches)
+            lr = lr_at(step, plan.lr, plan.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
+            last = self.engine.train_step([self.prepare(mb) for mb in microbatches], lr)
+            step += 1
+            ctx.step = step
+            window_steps += 1
+            if step % plan.log_every == 0 or step == cfg.steps or step == 1:
+                last = _mean_over_ranks(last, self.device)
+                elapsed = time.perf_counter() - window_start
+                last.update(lr=lr, samples_per_second=window_steps * plan.effective_batch / elapsed,
+                            gpu_memory_gb=_gpu_memory_gb(self.device))
+                metrics.write(step, last)
+                window_start, window_steps = time.perf_counter(), 0
+            if step % plan.val_every == 0 or step == cfg.steps:
+                metrics.write(step, self.validate(), prefix="val")
+            if step % plan.ckpt_every == 0 and step < cfg.steps:
+                self.save(step, blocking=not cfg.intervals.async_checkpoint)
+        self.save(step, blocking=True)
+        metrics.close()
+        ctx.finished(step)
+        return {"step": step, "rank": env.rank, "world_size": env.world_size, "engine": plan.engine,
+                **{k: last.get(k) for k in ("loss", "psnr", "reconstruction_loss", "latent_loss")},
+                "checkpoint": str(self.checkpoints.directory / f"step_{step:08d}")}
+
+    def prepare(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        frames = batch["frames"].to(self.device, non_blocking=True)
+        if "latents" in batch:
+            latents = batch["latents"].to(self.device, non_blocking=True)
+        elif self.teacher is not None:
+            latents = self.teacher.latents(frames)
+        else:
+            latents = None
+        return frames, latents
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Mean PSNR/losses on the held-out clips; rank r takes clips r, r + world, r + 2·world, …"""
+        mine = list(range(self.env.rank, len(self.val_source), self.env.world_size))
+        # A rank without clips (more ranks than clips) still evaluates clip 0 for the metric names
+        # and weights it 0, so every rank reduces the same vector.
+        weights = [1.0] * len(mine) if mine else [0.0]
+        totals, keys = None, []
+        for i, weight in zip(mine or [0], weights):
+            batch = {k: (v.unsqueeze(0) if torch.is_tensor(v) else v) for k, v in self.val_source[i].items()}
+            m = self.engine.evaluate(*self.prepare(batch))
+            keys = list(m)
+            vec = torch.tensor(list(m.values()), dtype=torch.float64) * weight
+            totals = vec if totals is None else totals + vec
+        packed = torch.cat([totals, torch.tensor([sum(weights)], dtype=torch.float64)]).to(self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(packed)
+        n = max(1.0, float(packed[-1]))
+        return {k: float(v) / n for k, v in zip(keys, packed[:-1].tolist())}
+
+    def save(self, step: int, blocking: bool) -> None:
+        """Every rank takes part (ZeRO-3 gathers; RNG states are gathered); rank 0 writes."""
+        start = time.perf_counter()
+        state = self.engine.full_state()
+        rngs: list[Any] = [None] * self.env.world_size
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.all_gather_object(rngs, _get_rng())
+        else:
+            rngs = [_get_rng()]
+        if self.main:
+            state = {**state, "rng": rngs, "step": step}
+            meta = {"world_size": self.env.world_size, "engine": self.plan.engine, "model": _model_fields(self.cfg),
+                    "config": self.cfg.to_dict(), "plan": self.plan.to_dict(), "host": socket.gethostname(),
+                    "data_position": step * self.plan.effective_batch}
+            # full_state() already copied everything off the GPU, so the writer thread owns its tensors
+            self.checkpoints.save(state, step, meta, blocking=blocking)
+            if blocking:
+                self.checkpoints.wait()
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.barrier()
+        if self.main:
+            log.info("checkpoint step %d %s in %.2f s", step, "saved" if blocking else "handed to the writer",
+                     time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def build_sources(cfg: TrainConfig):
+    """(train source, validation source) for the configured data."""
+    d = cfg.data
+    spec = ClipSpec(d.frames, d.height, d.width)
+    if d.source == "synthetic":
+        return SyntheticClips(d.num_clips, spec, cfg.seed), SyntheticClips(max(1, d.val_clips), spec, cfg.seed + 7919)
+    if d.source == "video":
+        clips = VideoFolderClips(d.path or "", spec, seed=cfg.seed)
+    else:
+        from .prepared import PreparedClips
+
+        clips = PreparedClips(d.path or "", spec)
+    n_val = min(d.val_clips, max(0, len(clips) - 1))
+    train_idx = list(range(len(clips) - n_val))
+    val_idx = list(range(len(clips) - n_val, len(clips)))
+    return torch.utils.data.Subset(clips, train_idx), torch.utils.data.Subset(clips, val_idx)
+
+
+def check_compatible(meta: Mapping[str, Any], cfg: TrainConfig, where: Path) -> None:
+    saved, now = meta.get("model", {}), _model_fields(cfg)
+    differ = [f"{k}: checkpoint {saved.get(k)!r} vs config {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if differ:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {where} was trained with another model ({'; '.join(differ)}); set those model.* values back, "
+            "or start a new run (--name) for the new model"
+        )
+
+
+def _model_fields(cfg: TrainConfig) -> dict[str, Any]:
+    m = cfg.model
+    return {"latent_channels": m.latent_channels, "patch_size": m.patch_size, "encoder_width": m.encoder_width,
+            "decoder_widths": list(m.decoder_widths)}
+
+
+def _device(choice: str, env: DistEnv) -> torch.device:
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", env.local_rank)
+
+
+def _mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return dict(metrics)
+    keys = sorted(metrics)
+    vec = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(vec)
+    return dict(zip(keys, (vec / dist.get_world_size()).tolist()))
+
+
+def _gpu_memory_gb(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+
+
+def _get_rng() -> dict[str, Any]:
+    version, state, gauss = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": torch.tensor(state, dtype=torch.int64), "python_version": version, "python_gauss": gauss,
+        "numpy": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
+        "numpy_has_gauss": int(np_state[3]), "numpy_gauss": float(np_state[4]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def _set_rng(rng: Mapping[str, Any]) -> None:
+    random.setstate((rng["python_version"], tuple(int(v) for v in rng["python"].tolist()), rng["python_gauss"]))
+    np.random.set_state(("MT19937", rng["numpy"].numpy().astype(np.uint32), rng["numpy_pos"],
+                         rng["numpy_has_gauss"], rng["numpy_gauss"]))
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _setup_logging(env: DistEnv) -> None:
+    """Our own logger only (submitit logs through its own handler): rank 0 informs, others warn."""
+    log.handlers.clear()
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {env.rank}] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if env.rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+class MetricsWriter:
+    """Rank 0's metrics: JSON lines (pandas reads them), TensorBoard, and a progress display.
+
+    On resume, lines past the resumed step are dropped (they belong to work that was not saved), so
+    each step appears once. Progress is a tqdm bar in a terminal or notebook, plain lines otherwise.
+    """
+
+    TB_TAGS = {"loss": "train/loss", "psnr": "train/psnr", "reconstruction_loss": "train/reconstruction_loss",
+               "latent_loss": "train/latent_loss", "decoder_loss": "train/decoder_loss", "lr": "lr",
+               "samples_per_second": "samples_per_second", "gpu_memory_gb": "gpu_memory", "grad_norm": "train/grad_norm"}
+
+    def __init__(self, run_dir: Path, start_step: int, enabled: bool, total: int) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.bar = None
+        self.total = total
+        if not enabled:
+            return
+        if self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if _step_of(ln) is not None and _step_of(ln) <= start_step]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+        if sys.stdout.isatty() or "ipykernel" in sys.modules:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=start_step, unit="step", desc="train")
+        self.last_step = start_step
+
+    def write(self, step: int, values: Mapping[str, Any], prefix: str = "train") -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, "time": time.time(), **({f"val_{k}": v for k, v in values.items()} if prefix == "val" else values)}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        for key, value in values.items():
+            if value is None:
+                continue
+            tag = f"val/{key}" if prefix == "val" else self.TB_TAGS.get(key, f"train/{key}")
+            self.tb.add_scalar(tag, value, step)
+        text = " ".join(f"{k} {v:.4g}" for k, v in values.items() if isinstance(v, float))
+        if self.bar is not None:
+            self.bar.update(step - self.last_step)
+            self.bar.set_postfix_str(text)
+        else:
+            log.info("%s step %d/%d %s", prefix, step, self.total, text)
+        self.last_step = step
+
+    def close(self) -> None:
+        if self.enabled:
+            self.tb.flush()
+            self.tb.close()
+            if self.bar is not None:
+                self.bar.close()
+            self.enabled = False
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
