@@ -28,13 +28,20 @@ def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None
         from taehv_slurm.distenv import DistributedSetupError
         from taehv_slurm.executor import SubmissionError
         from taehv_slurm.handle import UnknownJobError
+        from taehv_slurm.picklecheck import UnpicklableTaskError
         from taehv_slurm.security import UnsafePathError
 
         try:
             return main(*args, **kwargs)
         except (ConfigError, DistributedSetupError, SubmissionError, UnknownJobError, UnsafePathError,
-                CheckpointError, FileNotFoundError) as err:
+                CheckpointError, FileNotFoundError, UnpicklableTaskError) as err:
             print(f"error: {err}", file=sys.stderr)
+            return 2
+        except OSError as err:  # a folder the CLI creates or writes (job_dir, run folders): read-only, no permission
+            if err.filename is None:
+                raise
+            print(f"error: {err.filename}: {err.strerror}; check that path and its permissions (run folders go "
+                  "under job_dir in the cluster config: --set job_dir=DIR on storage every node sees)", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)

@@ -1,6 +1,6 @@
-"""Cancel a submitted run (Slurm sends SIGTERM first: the job saves before it ends).
+"""Cancel a submitted run (Slurm sends SIGTERM first: the run saves its step before it ends).
 
-    python -m jobs.cancel JOBID [--job-dir runs]
+    python -m jobs.cancel JOBID [JOBID ...] [--job-dir runs]
 """
 
 from __future__ import annotations
@@ -9,21 +9,25 @@ import argparse
 import sys
 
 from jobs._cli import one_line_errors
+from jobs.status import default_job_dir
 from taehv_slurm.handle import JobHandle
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.cancel", description="Cancel a submitted run.")
-    p.add_argument("job_id")
-    p.add_argument("--job-dir", default="runs")
+    p = argparse.ArgumentParser(prog="python -m jobs.cancel", description="Cancel submitted runs.")
+    p.add_argument("job_ids", nargs="+", metavar="JOBID")
+    p.add_argument("--job-dir", default=default_job_dir(), help="the cluster config's job_dir (default $TAEHV_JOB_DIR or runs)")
     args = p.parse_args(argv)
-    handle = JobHandle.attach(args.job_id, args.job_dir)
-    if handle.done():
-        print(f"job {handle.job_id} already ended ({handle.state}); nothing to cancel")
-        return 0
-    handle.cancel()
-    print(f"cancelled job {handle.job_id} (it saves at the signal; resubmit with --name {handle.run_dir.name} to resume)")
+    handles = [JobHandle.attach(i, args.job_dir) for i in args.job_ids]  # every id checked before any cancel
+    for handle in handles:
+        state = handle.state
+        if handle.done():
+            print(f"job {handle.job_id} already ended ({state}); nothing to cancel")
+            continue
+        handle.cancel()
+        print(f"cancelled job {handle.job_id} (was {state}); it saves at the signal: resubmit with "
+              f"--name {handle.name} to resume")
     return 0
 
 

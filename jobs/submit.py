@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -67,14 +70,56 @@ def load_configs(args: argparse.Namespace):
     return cluster, train
 
 
-def sweep_grid(items: list[str]) -> list[dict]:
+def sweep_grid(items: list[str] | Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """`["optim.lr=1e-4,2e-4", "seed=0,1"]` (or {"optim.lr": [1e-4, 2e-4], ...}) → every combination, in order.
+
+    Only training keys can be swept: a job array shares one cluster shape.
+    """
+    pairs = ([(k, list(v)) for k, v in items.items()] if isinstance(items, Mapping)
+             else [_parse_sweep_item(item) for item in items])
     axes = []
-    for item in items:
-        key, sep, values = item.partition("=")
-        if not sep or not values:
-            raise ConfigError(f"--sweep {item!r}: expected KEY=V1,V2,... e.g. --sweep optim.lr=1e-4,2e-4")
-        axes.append([(key, yaml.safe_load(v)) for v in values.split(",")])
+    for key, values in pairs:
+        cluster_keys, _ = split_overrides({key: None})  # raises on unknown keys, with a suggestion
+        if cluster_keys:
+            raise ConfigError(f"--sweep {key}: only training keys can be swept (a job array shares one cluster "
+                              f"shape); submit one job per {key} instead")
+        if not values:
+            raise ConfigError(f"--sweep {key}: no values; expected e.g. --sweep {key}=V1,V2")
+        if len(set(map(str, values))) != len(values):
+            raise ConfigError(f"--sweep {key}: repeated values in {values}")
+        axes.append([(key, v) for v in values])
+    if len({key for key, _ in pairs}) != len(pairs):
+        raise ConfigError("--sweep: the same key is swept twice; put all its values in one --sweep KEY=V1,V2")
     return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def _parse_sweep_item(item: str) -> tuple[str, list[Any]]:
+    key, sep, values = item.partition("=")
+    if not sep or not key.strip() or not values.strip():
+        raise ConfigError(f"--sweep {item!r}: expected KEY=V1,V2,... e.g. --sweep optim.lr=1e-4,2e-4")
+    return key.strip(), [yaml.safe_load(v) for v in values.split(",") if v.strip()]
+
+
+def sweep_trains(train, grid: list[dict[str, Any]]):
+    """One train config per sweep point, and the points with each value as the config holds it
+    (YAML reads `1e-4` as text; the config coerces it to 0.0001, which is what the runs record)."""
+    trains = [load_train(train.to_dict(), **point) for point in grid]
+    points = [{key: _lookup(t.to_dict(), key) for key in point} for t, point in zip(trains, grid)]
+    return trains, points
+
+
+def _lookup(data: Mapping[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def point_name(point: Mapping[str, Any]) -> str:
+    """A run folder name for a sweep point: `lr=0.0001,seed=1` (the last part of each key)."""
+    short = [key.rsplit(".", 1)[-1] for key in point]
+    keys = short if len(set(short)) == len(short) else list(point)
+    text = ",".join(f"{k}={v}" for k, v in zip(keys, point.values()))
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
 def device_of(cluster) -> str:
@@ -99,31 +144,55 @@ def summary(cluster, run_dir: str) -> str:
 
 
 def submit_training(cluster, trains, run_name: str | None = None, sweep: list[dict] | None = None):
-    """Submit one training run per train config (a job array for several); returns their JobHandles."""
+    """Submit one training run per train config (a job array for several); returns their JobHandles.
+
+    sweep: the swept values of each config (one dict per config), recorded in the job registry and
+    used for the run folder names (`<job_dir>/<run_name>/lr=0.0001/`).
+    """
     from taehv_slurm.handle import submit_many
     from trainer.train import TrainTask
 
     trains = trains if isinstance(trains, list) else [trains]
+    if sweep and len(sweep) != len(trains):
+        raise ConfigError(f"submit_training: {len(trains)} train configs but {len(sweep)} sweep points")
     plans = [make_plan(cluster, t) for t in trains]
     tasks = [TrainTask(t.to_dict(), cluster.runtime()) for t in trains]
     records = [{"train": t.to_dict(), "plan": p.to_dict(), "sweep": point}
                for t, p, point in zip(trains, plans, sweep or [{}] * len(trains))]
-    names = [run_name] if run_name and len(tasks) == 1 else None
+    if len(tasks) == 1:
+        names = [run_name] if run_name else None
+    else:
+        names = [point_name(point) for point in sweep] if sweep and all(sweep) else None
     return submit_many(tasks, cluster, names, extra_env=plans[0].nccl_env, records=records, group_name=run_name)
+
+
+def submit_sweep(cluster, train, grid: Mapping[str, Sequence[Any]] | list[str], run_name: str | None = None):
+    """Submit one run per point of `grid` (e.g. {"optim.lr": [1e-4, 2e-4]}) as one job array; returns
+    the JobHandles in grid order. Collect the results with `taehv_slurm.handle.runs_frame(handles)`."""
+    trains, points = sweep_trains(train, sweep_grid(grid))
+    return submit_training(cluster, trains, run_name or f"{train.name}-sweep-{time.strftime('%Y%m%d-%H%M%S')}", points)
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cluster, train = load_configs(args)
-    sweep = sweep_grid(args.sweep)
-    trains = [load_train(train.to_dict(), **point) for point in sweep] if sweep else [train]
+    if args.sweep and args.task != "train":
+        raise ConfigError("--sweep applies to --task train")
+    sweep: list[dict] = []
+    trains = [train]
+    if args.sweep:
+        trains, sweep = sweep_trains(train, sweep_grid(args.sweep))
     plans = [make_plan(cluster, t) for t in trains] if args.task == "train" else [None]  # validates every point
     run_name = args.name or f"{train.name if args.task == 'train' else 'smoke'}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = str(Path(cluster.job_dir) / run_name)
 
     if args.dry_run:
         print(summary(cluster, run_dir))
+        from taehv_slurm.security import describe_secret_env
+
+        if secret_line := describe_secret_env(cluster):  # names only: values are masked, never printed
+            print(secret_line)
         for point, plan in zip(sweep or [{}], plans):
             if plan is not None:
                 print(f"\nplan{' for ' + str(point) if point else ''}:\n{plan.table()}")
@@ -141,7 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         handles = submit_training(cluster, trains, run_name, sweep)
     for handle in handles:
-        print(f"submitted job {handle.job_id}: {cluster.nodes} node(s) × {cluster.tasks_per_node} tasks, run folder {handle.run_dir}")
+        point = f" {point_name(handle.sweep)}" if handle.sweep else ""
+        print(f"submitted job {handle.job_id}{point}: {cluster.nodes} node(s) × {cluster.tasks_per_node} tasks, "
+              f"run folder {handle.run_dir}")
+    if len(handles) > 1:
+        ids = " ".join(h.job_id for h in handles)
+        print(f"sweep of {len(handles)} runs (one job array): python -m jobs.status {ids} --job-dir {cluster.job_dir}")
     first = handles[0]
     print(f"logs: {first.log_path(0)} (rank 0) … {first.log_path(cluster.world_size - 1).name}")
     print(f"follow: python -m jobs.logs {first.job_id} --follow --job-dir {cluster.job_dir}")

@@ -8,6 +8,7 @@ PY=${PYTHON:-python3}
 export DEBIAN_FRONTEND=noninteractive
 apt-get update
 apt-get install -y --no-install-recommends slurm-wlm munge slurmdbd mariadb-server mariadb-client util-linux procps
+id -u taehvtest >/dev/null 2>&1 || useradd -m taehvtest  # unprivileged user for tests/test_security.py
 
 # torch first, pinned: 2.13.0 is a CPU wheel on these machines; anything unpinned pulls a CUDA build.
 $PY -m pip install --upgrade pip setuptools wheel

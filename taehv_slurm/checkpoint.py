@@ -89,10 +89,10 @@ class Checkpointer:
         import torch
 
         start = time.monotonic()
-        make_private_dir(self.directory, self.group)
         final = self.directory / f"step_{step:08d}"
         tmp = self.directory / f"step_{step:08d}.tmp-{uuid.uuid4().hex[:8]}"
         try:
+            make_private_dir(self.directory, self.group)  # inside: a read-only folder is a CheckpointError too
             make_private_dir(tmp, self.group)
             with open(tmp / "state.pt", "wb") as f:
                 torch.save(dict(state), f)
@@ -179,9 +179,9 @@ class Checkpointer:
         meta = json.loads((folder / "meta.json").read_text())
         try:
             state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
-        except Exception as err:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"cannot load checkpoint {folder}: {first}; delete that folder to resume from an older one") from None
+        except Exception as err:  # our own words: torch's advice (weights_only=False) would run the file's code
+            raise CheckpointError(f"cannot load checkpoint {folder}: {_load_failure(err)}; "
+                                  "delete that folder to resume from an older one (it was not loaded)") from None
         return step, state, meta
 
 
@@ -196,6 +196,19 @@ def to_cpu(state: Any) -> Any:
     if isinstance(state, list | tuple):
         return type(state)(to_cpu(v) for v in state)
     return state
+
+
+def _load_failure(err: BaseException) -> str:
+    """Why torch.load(weights_only=True) failed, in one line and never suggesting weights_only=False."""
+    text = str(err)
+    found = re.search(r"GLOBAL (\S+)", text)
+    if found:  # a pickled Python object: rebuilding it could execute code, so it is refused
+        return (f"state.pt holds a Python object ({found.group(1)}), not only tensors and plain values, "
+                "and such objects are never unpickled (they could run code)")
+    if isinstance(err, EOFError) or "Weights only load failed" in text or "zip archive" in text:
+        return "state.pt is damaged or not a torch checkpoint (cut short, overwritten, or not written by this library)"
+    first = text.strip().splitlines()[0].split(". ")[0] if text.strip() else type(err).__name__
+    return f"state.pt could not be read ({first})"
 
 
 def _os_cause(err: BaseException) -> str:

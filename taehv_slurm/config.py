@@ -208,7 +208,7 @@ class OptimConfig:
 @dataclass
 class BatchConfig:
     effective: int = 128  # = per_gpu × world size × grad accumulation, for any GPU count
-    per_gpu: int = 8  # upper bound; the plan lowers it when the world is large
+    per_gpu: int = 4  # upper bound (fastest on H200); the plan lowers it when the world is large
     grad_accum: int | None = None  # explicit override; None: computed by the plan
 
 

@@ -22,6 +22,13 @@ from typing import Literal
 PORT_BASE = 20000
 PORT_SPAN = 12768
 
+# Set (to "1") by jobs.launch in the environment of the ranks it starts, like torchrun's TORCHELASTIC_RUN_ID.
+LAUNCHER_MARK = "TAEHV_LAUNCHER"
+# Launcher variables a submitted job must not inherit from the submitting process (sbatch exports it).
+INHERITED_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
+                           "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                           LAUNCHER_MARK, "TAEHV_JOB_ID", "TAEHV_RESTART_COUNT")
+
 Source = Literal["slurm", "torchrun", "platform", "local", "single"]
 
 
@@ -49,15 +56,23 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
-        """Read the launcher's variables. Order: torchrun (and our platform launcher), Slurm task,
-        submitit's local executor, container platform (node-level RANK/WORLD_SIZE), single process."""
+        """Read the launcher's variables. Order: torchrun or our platform launcher (they mark their
+        children), Slurm task, submitit's local executor, other torchrun-style launchers, container
+        platform (node-level RANK/WORLD_SIZE), single process.
+
+        A Slurm or local task outranks bare RANK/LOCAL_RANK/WORLD_SIZE: those may be left over from the
+        process that submitted the job (a notebook under torchrun), and sbatch exports its environment.
+        """
         env = dict(os.environ if environ is None else environ)
-        if "LOCAL_RANK" in env and "RANK" in env and "WORLD_SIZE" in env:
+        torchrun_vars = "LOCAL_RANK" in env and "RANK" in env and "WORLD_SIZE" in env
+        if torchrun_vars and ("TORCHELASTIC_RUN_ID" in env or env.get(LAUNCHER_MARK) == "1"):
             return cls._from_torchrun(env)
         if "SLURM_PROCID" in env and "SLURM_JOB_ID" in env and "SLURM_LOCALID" in env:
             return cls._from_slurm(env)
         if "SUBMITIT_LOCAL_GLOBALID" in env:
             return cls._from_submitit_local(env)
+        if torchrun_vars:
+            return cls._from_torchrun(env)
         if "RANK" in env and "WORLD_SIZE" in env:
             return cls._from_platform(env)
         job_id = str(os.getpid())

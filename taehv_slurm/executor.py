@@ -17,6 +17,7 @@ import submitit
 from submitit.slurm import slurm as submitit_slurm
 
 from .config import ClusterConfig
+from .distenv import INHERITED_LAUNCHER_VARS
 
 
 def _entry_command(python: str, folder: Path) -> str:
@@ -41,7 +42,9 @@ def setup_lines(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = No
     env = {**(extra_env or {}), **cluster.public_env()}  # the user's env wins over the plan's
     if cluster.group:
         env["TAEHV_SHARED_GROUP"] = cluster.group
-    return [f"export {name}={shlex.quote(str(value))}" for name, value in env.items()] + list(cluster.setup)
+    # A job submitted from inside a launched process (a notebook under torchrun) must not inherit its rank.
+    lines = [f"unset {' '.join(INHERITED_LAUNCHER_VARS)}"]
+    return lines + [f"export {name}={shlex.quote(str(value))}" for name, value in env.items()] + list(cluster.setup)
 
 
 def slurm_parameters(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:

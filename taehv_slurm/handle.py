@@ -9,7 +9,12 @@ Every run gets a private folder under the cluster's `job_dir`:
     <job_dir>/<run>/events.jsonl  starts, requeues, failures, stops
     <job_dir>/<run>/tb/           TensorBoard event files
 
-`JobHandle.attach(job_id, job_dir)` re-opens a run submitted from the CLI or an earlier kernel.
+A sweep is one job array: `<job_dir>/<group>/submitit/` for the array and `<job_dir>/<group>/<point>/`
+per run. `JobHandle.attach(job_id, job_dir)` re-opens a run submitted from the CLI or an earlier kernel.
+Registry paths are stored relative to `job_dir`, so a job_dir can be read from any working directory.
+
+Only pandas/matplotlib/tqdm are imported lazily here (inside the functions that draw or build frames):
+importing this module and `python -m jobs.status` stay light.
 """
 
 from __future__ import annotations
@@ -17,27 +22,42 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
+import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import submitit
 
 from .config import ClusterConfig, load_cluster
 from .executor import SubmissionError, describe_sbatch_error, make_executor
+from .picklecheck import check_picklable
 from .requeue import EventLog, RequeueableTask
-from .security import make_private_dir
+from .security import check_safe_to_load, make_private_dir, private_umask
+
+if TYPE_CHECKING:  # only for annotations: importing pandas/matplotlib costs seconds
+    import pandas as pd
+    from matplotlib.figure import Figure
 
 REGISTRY = "registry.jsonl"
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED", "FINISHED", "INTERRUPTED", "DONE"}
+SUCCESS_STATES = {"COMPLETED", "FINISHED", "DONE"}
+# Columns first in `metrics()`, in this order (others follow as the trainer wrote them).
+METRIC_COLUMNS = ("step", "time", "event", "loss", "psnr", "samples_per_second", "lr", "gpu_memory_gb")
 
 
 class UnknownJobError(LookupError):
     """No run with that job id in the registry."""
+
+
+class JobControlError(RuntimeError):
+    """A Slurm command on a job (scontrol requeue) failed; the message is one line."""
 
 
 def default_run_name(prefix: str) -> str:
@@ -59,25 +79,39 @@ def submit(task: Callable[..., Any], cluster: ClusterConfig, run_name: str | Non
 def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run_names: Sequence[str] | None = None,
                 *, extra_env: Mapping[str, str] | None = None, requeueable: bool = True,
                 records: Sequence[Mapping[str, Any]] | None = None, group_name: str | None = None) -> list[JobHandle]:
-    """Submit several tasks at once: on Slurm a job array (one array task per run), each its own run folder."""
+    """Submit several tasks at once: on Slurm a job array (one array task per run), each its own run folder.
+
+    run_names name the run folders (inside the group folder for several tasks); records (one per task)
+    go into the registry, e.g. {"sweep": {"optim.lr": 1e-4}} — `runs_frame` turns those into columns.
+    """
+    if not tasks:
+        raise ValueError("submit_many: no tasks to submit")
+    if run_names is not None and len(run_names) != len(tasks):
+        raise ValueError(f"submit_many: {len(tasks)} tasks but {len(run_names)} run names")
+    for task in tasks:  # before any folder exists: a failure leaves nothing behind
+        check_picklable(task)
     job_dir = make_private_dir(cluster.job_dir, cluster.group)
     if len(tasks) == 1:
         run_dirs = [job_dir / (run_names[0] if run_names else default_run_name(cluster.name))]
         folder = run_dirs[0] / "submitit"
-    else:  # a sweep: <job_dir>/<group>/run<i>/ with one submitit folder for the array
+    else:  # a sweep: <job_dir>/<group>/<run>/ with one submitit folder for the array
         group = make_private_dir(job_dir / (group_name or default_run_name(cluster.name)), cluster.group)
         run_dirs = [group / name for name in (run_names or [f"run{i}" for i in range(len(tasks))])]
         folder = group / "submitit"
     for path in [*run_dirs, folder]:
         make_private_dir(path, cluster.group)
+    check_safe_to_load(folder, folder.parent)  # what the job's entry point will check: refuse now, not once it runs
     wrapped = [
         RequeueableTask(t, d, cluster.max_requeues, cluster.max_requeues_without_progress,
                         cluster.requeue_on_failure, cluster.signal_delay_s, cluster.kill_wait_s) if requeueable else t
         for t, d in zip(tasks, run_dirs)
     ]
     executor = make_executor(cluster, folder, extra_env)
+    # Taken before sbatch: events the job writes are never older than this (see JobHandle.events).
+    submitted_at = time.time()
     try:
-        with secrets_in_environ(cluster):
+        # Private umask: the pickle and sbatch script, and the logs Slurm creates (it keeps the submitting umask).
+        with secrets_in_environ(cluster), private_umask(cluster.group):
             jobs = [executor.submit(wrapped[0])] if len(tasks) == 1 else executor.submit_array(wrapped)
     except submitit.core.utils.FailedJobError as err:  # sbatch exited non-zero
         raise SubmissionError(describe_sbatch_error(str(err))) from None
@@ -85,14 +119,16 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run
     for job, run_dir, rec, task in zip(jobs, run_dirs, records or [{}] * len(tasks), tasks):
         entry = {
             "job_id": str(job.job_id),
+            "run": run_dir.relative_to(job_dir).as_posix(),
+            "folder_rel": folder.relative_to(job_dir).as_posix(),
             "run_dir": str(run_dir),
             "folder": str(folder),
             "backend": cluster.backend,
             "task": type(task).__name__,
-            "submitted_at": time.time(),
+            "submitted_at": submitted_at,
             "nodes": cluster.nodes,
             "world_size": cluster.world_size,
-            "cluster": cluster.masked(),
+            "cluster": cluster.masked(),  # secrets as '***': the registry is a file others may read
             **dict(rec),
         }
         EventLog(job_dir / REGISTRY).write("submitted", **entry)
@@ -103,7 +139,8 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run
 @contextlib.contextmanager
 def secrets_in_environ(cluster: ClusterConfig) -> Iterator[None]:
     """Secret env values reach the job through sbatch's inherited environment — never a file."""
-    secret = {k: v for k, v in cluster.env.items() if k in cluster.secret_names()}
+    # '***' is a masked value (a config read back from the registry): the submitting environment's value stands.
+    secret = {k: v for k, v in cluster.env.items() if k in cluster.secret_names() and v != "***"}
     saved = {k: os.environ.get(k) for k in secret}
     os.environ.update(secret)
     try:
@@ -117,43 +154,93 @@ def secrets_in_environ(cluster: ClusterConfig) -> Iterator[None]:
 
 
 def read_registry(job_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every submission recorded in `<job_dir>/registry.jsonl`, oldest first."""
     return [e for e in EventLog(Path(job_dir) / REGISTRY).read() if e.get("event") == "submitted"]
+
+
+def registry_frame(job_dir: str | os.PathLike) -> pd.DataFrame:
+    """The registry as a table: one row per submitted run (job id, run, when, shape, task, swept values)."""
+    import pandas as pd
+
+    rows = []
+    for rec in read_registry(job_dir):
+        rows.append({"job_id": rec["job_id"], "run": _record_run(rec),
+                     "submitted": pd.Timestamp(rec.get("submitted_at", 0), unit="s"),
+                     "backend": rec.get("backend"), "nodes": rec.get("nodes"), "world_size": rec.get("world_size"),
+                     "task": rec.get("task"), "steps": (rec.get("plan") or {}).get("total_steps"),
+                     **(rec.get("sweep") or {})})
+    return pd.DataFrame(rows)
+
+
+def _record_run(rec: Mapping[str, Any]) -> str:
+    return rec.get("run") or Path(rec["run_dir"]).name
 
 
 class JobHandle:
     """A submitted run: its Slurm/local job and its run folder."""
 
     def __init__(self, job: submitit.Job, run_dir: str | os.PathLike, cluster: ClusterConfig,
-                 record: Mapping[str, Any] | None = None) -> None:
+                 record: Mapping[str, Any] | None = None, job_dir: str | os.PathLike | None = None) -> None:
         self.job = job
         self.run_dir = Path(run_dir)
         self.cluster = cluster
         self.record = dict(record or {})
+        self.job_dir = Path(job_dir if job_dir is not None else cluster.job_dir)
 
     # ------------------------------------------------------------------------------- identity
     @classmethod
     def attach(cls, job_id: str | int, job_dir: str | os.PathLike = "runs") -> JobHandle:
         """Re-open a run submitted elsewhere (CLI, another kernel) from the job registry."""
-        records = [r for r in read_registry(job_dir) if r["job_id"] == str(job_id)]
+        job_id = str(job_id).strip()
+        registry = read_registry(job_dir)
+        records = [r for r in registry if r["job_id"] == job_id]
         if not records:
-            known = ", ".join(r["job_id"] for r in read_registry(job_dir)[-5:]) or "none"
-            raise UnknownJobError(f"no job {job_id} in {Path(job_dir) / REGISTRY} (latest: {known}); "
-                                  "check the id or pass the job_dir it was submitted with")
+            where = Path(job_dir) / REGISTRY
+            if not registry:
+                raise UnknownJobError(f"no job {job_id}: {where} lists no runs; pass the job_dir the job was "
+                                      "submitted with (--job-dir or TAEHV_JOB_DIR)")
+            known = ", ".join(r["job_id"] for r in registry[-5:])
+            raise UnknownJobError(f"no job {job_id} in {where} (latest: {known}); check the id or pass the "
+                                  "job_dir it was submitted with")
         rec = records[-1]
+        base = Path(job_dir)
+        # Paths relative to job_dir where recorded (registry readable from any working directory).
+        run_dir = base / rec["run"] if "run" in rec else Path(rec["run_dir"])
+        folder = base / rec["folder_rel"] if "folder_rel" in rec else Path(rec["folder"])
         cluster = load_cluster(rec["cluster"])
+        tasks = list(range(int(rec["world_size"])))
         if rec["backend"] == "slurm":
-            job: submitit.Job = submitit.SlurmJob(folder=rec["folder"], job_id=rec["job_id"],
-                                                  tasks=list(range(rec["world_size"])))
+            job: submitit.Job = submitit.SlurmJob(folder=folder, job_id=rec["job_id"], tasks=tasks)
         else:
-            job = submitit.LocalJob(folder=rec["folder"], job_id=rec["job_id"], tasks=list(range(rec["world_size"])))
-        return cls(job, rec["run_dir"], cluster, rec)
+            job = submitit.LocalJob(folder=folder, job_id=rec["job_id"], tasks=tasks)
+        return cls(job, run_dir, cluster, {**rec, "folder": str(folder)}, job_dir=base)
+
+    @staticmethod
+    def registry(job_dir: str | os.PathLike = "runs") -> pd.DataFrame:
+        """Every run submitted to `job_dir` (see `registry_frame`)."""
+        return registry_frame(job_dir)
 
     @property
     def job_id(self) -> str:
         return str(self.job.job_id)
 
+    @property
+    def name(self) -> str:
+        """The run folder relative to job_dir (e.g. 'tiny-demo' or 'lr-sweep/lr=0.0001')."""
+        return _record_run(self.record) if self.record else self.run_dir.name
+
+    @property
+    def sweep(self) -> dict[str, Any]:
+        """The swept values of this run ({} for a single run)."""
+        return dict(self.record.get("sweep") or {})
+
+    @property
+    def total_steps(self) -> int | None:
+        steps = (self.record.get("plan") or {}).get("total_steps") or (self.record.get("train") or {}).get("steps")
+        return int(steps) if steps else None
+
     def __repr__(self) -> str:
-        return f"JobHandle(job_id={self.job_id}, state={self.state}, run_dir={self.run_dir})"
+        return f"JobHandle(job_id={self.job_id}, run={self.name!r}, state={self.state})"
 
     # ---------------------------------------------------------------------------------- state
     @property
@@ -166,29 +253,29 @@ class JobHandle:
         return str(self.job.state).upper()
 
     def done(self) -> bool:
-        return self.state.split()[0] in FINAL_STATES
+        return _is_final(self.state)
 
-    def wait(self, timeout_s: float | None = None, poll_s: float = 2.0, progress: bool = True) -> str:
-        """Block until the job ends; show step progress from the metrics file. Returns the final state."""
-        from tqdm.auto import tqdm
+    def wait(self, timeout_s: float | None = None, poll_s: float = 2.0, progress: bool = True,
+             until_step: int | None = None) -> str:
+        """Block until the job ends (or, with `until_step`, until the run logged that step); returns the state.
 
-        total = self.record.get("plan", {}).get("total_steps")
-        bar = tqdm(total=total, desc=f"job {self.job_id}", unit="step", disable=not progress)
+        The progress display is a bar updated in place in a notebook, tqdm in a terminal, and one plain
+        line per change otherwise (logs, CI).
+        """
+        display = _Progress(f"job {self.job_id}", self.total_steps, enabled=progress)
         start = time.monotonic()
         try:
             while True:
                 state = self.state
                 step = self.last_step()
-                if step is not None:
-                    bar.n = step
-                bar.set_postfix_str(state, refresh=True)
-                if state.split()[0] in FINAL_STATES:
+                display.update(state, step, len(self.requeues))
+                if _is_final(state) or (until_step is not None and (step or 0) >= until_step):
                     return state
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
-                    raise TimeoutError(f"job {self.job_id} still {state} after {timeout_s:.0f} s")
+                    raise TimeoutError(f"job {self.job_id} still {state} at step {step} after {timeout_s:.0f} s")
                 time.sleep(poll_s)
         finally:
-            bar.close()
+            display.close()
 
     def result(self) -> Any:
         return self.job.result()
@@ -197,14 +284,26 @@ class JobHandle:
         return self.job.results()
 
     def cancel(self) -> None:
+        """Cancel the job. Slurm sends SIGTERM first, so the run saves its step before it ends."""
+        # Recorded so the save this SIGTERM triggers is not mistaken for a preemption (see `requeues`).
+        EventLog(self.run_dir / "events.jsonl").write("cancel", job_id=self.job_id)
         self.job.cancel(check=False)
+
+    def requeue(self) -> None:
+        """Preempt the job as the scheduler would (`scontrol requeue`): it saves, requeues and resumes."""
+        if self.cluster.backend != "slurm":
+            raise JobControlError(f"job {self.job_id} runs on the {self.cluster.backend} backend; requeue needs Slurm")
+        out = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            reason = (out.stderr or out.stdout).strip().splitlines()
+            raise JobControlError(f"scontrol requeue {self.job_id} failed: {reason[-1] if reason else out.returncode}")
 
     # ----------------------------------------------------------------------------------- logs
     def log_path(self, rank: int = 0) -> Path:
         return Path(self.record.get("folder") or self.job.paths.folder) / f"{self.job_id}_{rank}_log.out"
 
     def tail(self, n: int = 20, rank: int = 0) -> str:
-        """The last `n` lines of one rank's log."""
+        """The last `n` lines of one rank's log (every requeued run appends to the same file)."""
         path = self.log_path(rank)
         if not path.exists():
             return ""
@@ -216,22 +315,82 @@ class JobHandle:
         return "\n".join(lines[-n:])
 
     # ------------------------------------------------------------------------------- metrics
-    def events(self) -> list[dict[str, Any]]:
-        return EventLog(self.run_dir / "events.jsonl").read()
+    def events(self, run_wide: bool = False) -> list[dict[str, Any]]:
+        """This job's events from the run's events.jsonl (all jobs of the run folder with run_wide).
+
+        A run folder can hold several jobs (a run resubmitted under its name resumes it); a job's events
+        are those written between its submission and the next submission to the same folder.
+        """
+        events = EventLog(self.run_dir / "events.jsonl").read()
+        if run_wide or "submitted_at" not in self.record:
+            return events
+        begin, end = self._time_window()
+        return [e for e in events if begin <= e.get("time", 0) < end]
+
+    def _time_window(self) -> tuple[float, float]:
+        begin = float(self.record["submitted_at"])
+        later = [float(r["submitted_at"]) for r in read_registry(self.job_dir)
+                 if _record_run(r) == self.name and r["job_id"] != self.job_id and float(r["submitted_at"]) > begin]
+        return begin, min(later, default=math.inf)
+
+    def interruptions(self, run_wide: bool = False) -> list[dict[str, Any]]:
+        """Requeue events that really interrupted a run: each followed by a restart, or (the last one)
+        with the job not yet ended. A save on `cancel()` is labelled reason 'cancelled'."""
+        events = self.events(run_wide)
+        done: bool | None = None  # asked of Slurm only when needed
+        kept = []
+        for i, event in enumerate(events):
+            if event["event"] != "requeue":
+                continue
+            later = events[i + 1:]
+            restarted = any(e["event"] == "start" for e in later)
+            if not restarted:
+                done = self.done() if done is None else done
+                if done:
+                    continue  # the job ended here: no requeue happened
+            segment_start = max((j for j in range(i) if events[j]["event"] == "start"), default=-1)
+            cancelled = any(e["event"] == "cancel" for e in events[segment_start + 1:i + 1])
+            kept.append({**event, "reason": "cancelled"} if cancelled else event)
+        return kept
 
     @property
-    def requeues(self):  # -> pandas.DataFrame
+    def requeues(self) -> pd.DataFrame:
+        """One row per requeue of this job (time, segment, reason, step, signal_to_saved_s, seconds_lost)."""
         import pandas as pd
 
-        rows = [e for e in self.events() if e["event"] == "requeue"]
-        return pd.DataFrame(rows, columns=["time", "segment", "reason", "step", "signal_to_saved_s", "seconds_lost"] if not rows else None)
+        columns = ["time", "segment", "reason", "step", "signal_to_saved_s", "seconds_lost"]
+        rows = [e for e in self.interruptions() if e.get("reason") != "cancelled"]
+        frame = pd.DataFrame(rows)
+        for column in columns:
+            if column not in frame:
+                frame[column] = pd.Series(dtype=float if column != "reason" else object)
+        frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+        return frame[[*columns, *[c for c in frame.columns if c not in columns and c != "event"]]]
+
+    @property
+    def requeue_count(self) -> int:
+        """How often Slurm requeued the job: its REQUEUED records in sacct (Slurm 22.05's sacct has no
+        Restarts field); the events file's count where there is no accounting."""
+        if self.cluster.backend == "slurm":
+            frame = self.accounting()
+            if not frame.empty:
+                return int(frame.attrs.get("requeues", 0))
+        return len(self.requeues)
 
     @property
     def stop_reason(self) -> str | None:
+        """Why the requeue guards stopped the run (requeue limit, no progress), if they did."""
         stopped = [e for e in self.events() if e["event"] == "stopped"]
         return stopped[-1]["reason"] if stopped else None
 
+    @property
+    def error(self) -> str | None:
+        """The last failure recorded by a rank of this job ('RuntimeError: ...'), if any."""
+        failures = [e for e in self.events() if e["event"] == "failure"]
+        return failures[-1]["error"] if failures else None
+
     def last_step(self) -> int | None:
+        """The last step rank 0 logged (reads only the end of metrics.jsonl)."""
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return None
@@ -239,37 +398,137 @@ class JobHandle:
             f.seek(0, io.SEEK_END)
             f.seek(max(0, f.tell() - 4096))
             for line in reversed(f.read().decode(errors="replace").splitlines()):
-                with contextlib.suppress(json.JSONDecodeError, KeyError):
+                with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError, ValueError):
                     return int(json.loads(line)["step"])
         return None
 
-    def metrics(self):  # -> pandas.DataFrame
-        """Per-step metrics of rank 0 (step, time, loss, psnr, samples_per_second, lr, gpu_memory_gb, ...)
-        plus one row per requeue (event='requeue', with its reason and step)."""
-        import pandas as pd
+    def metrics(self) -> pd.DataFrame:
+        """The run's metrics, one row per logged step and event, sorted by step:
 
-        path = self.run_dir / "metrics.jsonl"
-        rows = EventLog(path).read() if path.exists() else []
-        frame = pd.DataFrame(rows)
-        if not frame.empty and "event" not in frame:
-            frame["event"] = "train"
-        requeues = self.requeues
-        if not requeues.empty:
-            frame = pd.concat([frame, requeues.assign(event="requeue")], ignore_index=True)
-        if not frame.empty:
-            frame = frame.sort_values(["step", "time"], kind="stable").reset_index(drop=True)
+        event='train': step, time, loss, psnr, samples_per_second, lr, gpu_memory_gb, latent_loss, ...
+        event='val': val_loss, val_psnr, ... at validation steps
+        event='requeue': the step the run was saved at and resumed from, with its reason
+        `time` is a UTC pandas Timestamp; `elapsed_s` counts seconds from the first row.
+        """
+        return metrics_frame(self.run_dir, self.interruptions(run_wide=True))
+
+    def accounting(self, settle_s: float = 10.0) -> pd.DataFrame:
+        """`sacct --duplicates` rows of this job and its steps, one allocation row per run attempt.
+
+        Adds `Attempt` (0 for the first run, +1 per requeue; steps carry their allocation's attempt) and
+        `ElapsedSeconds`; `frame.attrs['requeues']` is the number of REQUEUED allocation records.
+        slurmdbd records a job's end a moment after squeue shows it: for up to `settle_s` seconds this
+        waits until the accounting agrees that an ended job ended.
+        """
+        frame = sacct_frame(self.job_id)
+        deadline = time.monotonic() + settle_s
+        while self._accounting_behind(frame) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            frame = sacct_frame(self.job_id)
         return frame
 
-    def accounting(self):  # -> pandas.DataFrame
-        """`sacct` rows of this job and its steps: elapsed, state, nodes, exit code, restarts."""
-        return sacct_frame(self.job_id)
+    def _accounting_behind(self, frame: pd.DataFrame) -> bool:
+        alloc = frame[frame["JobID"] == self.job_id]["State"] if not frame.empty else []
+        if not len(alloc) or _is_final(str(alloc.iloc[-1])):
+            return False  # no accounting here (or no record at all), or it has the end already
+        return _is_final(_squeue_state(self.job_id) or "PENDING")
 
-    def plot(self, path: str | os.PathLike | None = None):  # -> matplotlib Figure
+    def summary(self) -> dict[str, Any]:
+        """One status row: id, run, state, step/total, requeues, swept values, and why it stopped or failed."""
+        step, total = self.last_step(), self.total_steps
+        state = self.state
+        note = self.stop_reason or (self.error if not _is_success(state) else None) or ""
+        requeues = self.requeues
+        if not requeues.empty:
+            note = note or "requeued at step " + ", ".join(str(int(s)) for s in requeues["step"])
+        return {"job_id": self.job_id, "run": self.name, "state": state,
+                "nodes": self.record.get("nodes"), "ranks": self.record.get("world_size"),
+                "step": f"{step if step is not None else '-'}/{total or '?'}", "requeues": len(requeues),
+                "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.record.get("submitted_at", 0))),
+                **self.sweep, "note": note}
+
+    def plot(self, path: str | os.PathLike | None = None, title: str | None = None) -> Figure:
         """Loss, PSNR and throughput against step; requeues marked as dashed lines."""
-        return plot_metrics({self.job_id: self.metrics()}, path)
+        nodes, ranks = self.record.get("nodes"), self.record.get("world_size")
+        shape = f" · {nodes} node(s) × {ranks // nodes} ranks" if nodes and ranks else ""
+        label = title or f"job {self.job_id} · run {self.name}{shape}"
+        return plot_metrics({label: self.metrics()}, path, title=label)
+
+
+# ------------------------------------------------------------------------------- metric frames
+
+
+def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, Any]] = ()) -> pd.DataFrame:
+    """metrics.jsonl of a run folder (+ requeue rows) as a DataFrame; see `JobHandle.metrics`."""
+    import pandas as pd
+
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [dict(r, event="val" if any(k.startswith("val_") for k in r) else "train")
+            for r in (EventLog(path).read() if path.exists() else [])]
+    rows += [{k: v for k, v in e.items() if k not in ("event", "failed_at_step")} | {"event": "requeue"}
+             for e in requeues]
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return pd.DataFrame(columns=list(METRIC_COLUMNS))
+    for column in METRIC_COLUMNS:
+        if column not in frame:
+            frame[column] = pd.Series(dtype=float)
+    frame = frame.sort_values(["step", "time"], kind="stable").reset_index(drop=True)
+    frame["step"] = frame["step"].astype(int)
+    frame["elapsed_s"] = frame["time"] - frame["time"].min()
+    frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+    return frame[[*METRIC_COLUMNS, *[c for c in frame.columns if c not in METRIC_COLUMNS]]]
+
+
+def runs_frame(handles: Sequence[JobHandle | str], columns: Sequence[str] = (), *,
+               job_dir: str | os.PathLike | None = None, final: bool = False) -> pd.DataFrame:
+    """The metrics of several runs in one DataFrame, with job_id, run and each run's swept values as columns.
+
+    handles: JobHandles, or job ids with `job_dir`. final=True keeps one row per run: its last train row
+    (with the last validation values beside it) — a sweep's results table.
+    """
+    import pandas as pd
+
+    parts = []
+    for item in handles:
+        handle = item if isinstance(item, JobHandle) else JobHandle.attach(item, job_dir or "runs")
+        frame = handle.metrics()
+        if final:
+            frame = _final_row(frame)
+        parts.append(frame.assign(job_id=handle.job_id, run=handle.name, **handle.sweep))
+    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    front = [c for c in ("job_id", "run") if c in frame]
+    swept = [k for h in handles if isinstance(h, JobHandle) for k in h.sweep]
+    order = list(dict.fromkeys([*front, *swept, *frame.columns]))
+    frame = frame[order]
+    return frame[[*columns]] if columns else frame
+
+
+def _final_row(frame: pd.DataFrame) -> pd.DataFrame:
+    import pandas as pd
+
+    train = frame[frame["event"] == "train"]
+    if train.empty:
+        return train
+    row = train.iloc[[-1]].reset_index(drop=True).dropna(axis=1, how="all")
+    val = frame[frame["event"] == "val"]
+    if not val.empty:
+        last = val.iloc[-1]
+        extra = {k: last[k] for k in val.columns if k.startswith("val_")}
+        row = row.assign(**extra, val_step=int(last["step"]))
+    row["requeues"] = int((frame["event"] == "requeue").sum())
+    return pd.DataFrame(row)
 
 
 # ------------------------------------------------------------------------------ Slurm queries
+
+
+def _is_final(state: str) -> bool:
+    return (state.split() or ["?"])[0] in FINAL_STATES
+
+
+def _is_success(state: str) -> bool:
+    return (state.split() or ["?"])[0] in SUCCESS_STATES
 
 
 def _squeue_state(job_id: str) -> str | None:
@@ -289,15 +548,42 @@ def _sacct_state(job_id: str) -> str | None:
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "NTasks", "NodeList", "Submit", "Start", "End")
 
 
-def sacct_frame(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS):  # -> pandas.DataFrame
-    """sacct output as a DataFrame (empty when accounting is unavailable)."""
+def sacct_frame(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS) -> pd.DataFrame:
+    """sacct output as a DataFrame (empty when accounting is unavailable).
+
+    With --duplicates every run of a requeued job is its own allocation record (State REQUEUED for all
+    but the last): `Attempt` numbers them, and `attrs['requeues']` counts the REQUEUED ones of `job_id`.
+    """
     import pandas as pd
 
+    fields = list(dict.fromkeys(["JobID", "State", *fields]))
     cmd = ["sacct", "-P", "-n", "--duplicates", "-o", ",".join(fields)]
     cmd += ["-j", job_id] if job_id else ["-S", "now-7days"]
     out = _run(cmd)
     rows = [line.split("|") for line in (out or "").splitlines() if line.strip()]
-    return pd.DataFrame([r for r in rows if len(r) == len(fields)], columns=list(fields))
+    frame = pd.DataFrame([r for r in rows if len(r) == len(fields)], columns=fields)
+    runs: dict[str, int] = {}  # allocation records seen per job id (array tasks are their own jobs)
+    attempts = []
+    for jid in frame["JobID"]:
+        base = jid.split(".")[0]
+        if "." not in jid:  # an allocation record: the next attempt of that job
+            runs[base] = runs.get(base, -1) + 1
+        attempts.append(runs.get(base, 0))
+    frame["Attempt"] = attempts
+    if "Elapsed" in frame:
+        frame["ElapsedSeconds"] = frame["Elapsed"].map(_elapsed_seconds)
+    is_alloc = ~frame["JobID"].str.contains(".", regex=False)
+    mine = frame["JobID"] == job_id if job_id else is_alloc
+    frame.attrs["requeues"] = int((mine & is_alloc & frame["State"].str.startswith("REQUEUED")).sum())
+    return frame
+
+
+def _elapsed_seconds(text: str) -> float:
+    """sacct's [D-]HH:MM:SS (or MM:SS.mmm) as seconds."""
+    days, _, clock = text.rpartition("-")
+    parts = [float(p) for p in re.split(r":", clock) if p]
+    seconds = sum(v * 60 ** i for i, v in enumerate(reversed(parts)))
+    return seconds + (int(days) * 86400 if days else 0)
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -308,55 +594,141 @@ def _run(cmd: list[str]) -> str | None:
     return result.stdout if result.returncode == 0 else None
 
 
+# ------------------------------------------------------------------------------------ progress
+
+
+def _in_notebook() -> bool:
+    if "ipykernel" not in sys.modules:
+        return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+class _Progress:
+    """wait()'s display: an HTML bar replaced in place in a notebook (no ipywidgets needed), tqdm in a
+    terminal, else one plain line per state change and at most one per `every_s` for steps."""
+
+    def __init__(self, label: str, total: int | None, enabled: bool = True, every_s: float = 10.0) -> None:
+        self.label, self.total, self.enabled, self.every_s = label, total, enabled, every_s
+        self.mode = "off" if not enabled else "notebook" if _in_notebook() else "tty" if sys.stderr.isatty() else "lines"
+        self.began = time.monotonic()
+        self.last: tuple[str, int | None, int] | None = None
+        self.last_line = 0.0
+        self.handle: Any = None
+        self.bar: Any = None
+        if self.mode == "tty":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, unit="step")
+
+    def text(self, state: str, step: int | None, requeues: int) -> str:
+        of = f"/{self.total}" if self.total else ""
+        again = f" · requeued {requeues}×" if requeues else ""
+        return f"{self.label}: {state} · step {step if step is not None else '-'}{of}{again} · {time.monotonic() - self.began:.0f} s"
+
+    def update(self, state: str, step: int | None, requeues: int) -> None:
+        now = (state, step, requeues)
+        if self.mode == "off" or now == self.last:
+            return
+        text = self.text(state, step, requeues)
+        if self.mode == "notebook":
+            from IPython.display import display
+
+            fraction = min(1.0, (step or 0) / self.total) if self.total else 0.0
+            html = (f'<div style="font-family:monospace"><progress value="{fraction:.3f}" max="1" '
+                    f'style="width:18em;vertical-align:middle"></progress> {_html_escape(text)}</div>')
+            data = {"text/plain": text, "text/html": html}
+            if self.handle is None:
+                self.handle = display(data, raw=True, display_id=True)
+            else:
+                self.handle.update(data, raw=True)
+        elif self.mode == "tty":
+            self.bar.n = step or 0
+            self.bar.set_postfix_str(f"{state}{f', requeued {requeues}×' if requeues else ''}", refresh=True)
+        else:
+            state_changed = self.last is None or self.last[0] != state or self.last[2] != requeues
+            if state_changed or time.monotonic() - self.last_line >= self.every_s:
+                print(text, flush=True)
+                self.last_line = time.monotonic()
+            else:
+                return  # keep self.last so the next step change is compared with what was printed
+        self.last = now
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _html_escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 # ---------------------------------------------------------------------------------- plotting
 
 
-def plot_metrics(frames: Mapping[str, Any], path: str | os.PathLike | None = None):  # -> Figure
-    """One figure of loss, PSNR and samples/s against step for one or more runs."""
+def plot_metrics(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike | None = None,
+                 title: str | None = None) -> Figure:
+    """One figure of loss, PSNR and samples/s against step for one or more runs (label → metrics frame).
+
+    Training values are lines, validation values circles, requeues dashed vertical lines (red for one
+    run, else in the run's colour); one legend below the panels.
+    """
     import matplotlib
 
-    if path is not None:
-        matplotlib.use("Agg", force=False)
+    if path is not None and "matplotlib.pyplot" not in sys.modules and not _in_notebook():
+        matplotlib.use("Agg")  # saving from a script or CI: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    panels = (("loss", "loss", True), ("psnr", "PSNR (dB)", False), ("samples_per_second", "clips/s", False))
-    for label, frame in frames.items():
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
+    panels = (("loss", "val_loss", "loss"), ("psnr", "val_psnr", "PSNR (dB)"),
+              ("samples_per_second", None, "throughput (clips/s)"))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    single = len(frames) == 1
+    legend: dict[str, Line2D] = {}  # runs first, then the marker kinds
+    kinds: dict[str, Line2D] = {}
+    for i, (label, frame) in enumerate(frames.items()):
+        color = colors[i % len(colors)]
         if frame.empty:
             continue
-        train = frame[frame["event"] == "train"] if "event" in frame else frame
-        for ax, (column, title, log) in zip(axes, panels):
-            if column in train:
+        train = frame[frame["event"] == "train"]
+        val = frame[frame["event"] == "val"]
+        for ax, (column, val_column, _) in zip(axes, panels):
+            if column in train and train[column].notna().any():
                 data = train[["step", column]].dropna()
-                ax.plot(data["step"], data[column], label=str(label))
-                ax.set_title(title)
-                ax.set_xlabel("step")
-                if log:
-                    ax.set_yscale("log")
-        if "event" in frame:
-            for _, row in frame[frame["event"] == "requeue"].iterrows():
-                for ax in axes:
-                    ax.axvline(row["step"], color="tab:red", linestyle="--", alpha=0.7)
-                axes[0].annotate(f"requeue ({row['reason']})", (row["step"], 1), xycoords=("data", "axes fraction"),
-                                 rotation=90, va="top", ha="right", fontsize=8, color="tab:red")
-    if len(frames) > 1:
-        axes[0].legend()
-    fig.tight_layout()
+                ax.plot(data["step"], data[column], color=color, linewidth=1.5)
+            if val_column and val_column in val and val[val_column].notna().any():
+                data = val[["step", val_column]].dropna()
+                ax.plot(data["step"], data[val_column], "o", color=color, markersize=7, markerfacecolor="white",
+                        markeredgewidth=1.5)
+        legend["train" if single else str(label)] = Line2D([], [], color=color, linewidth=1.5)
+        if "val_loss" in val or "val_psnr" in val:
+            kinds["validation"] = Line2D([], [], marker="o", linestyle="", markerfacecolor="white",
+                                          markeredgewidth=1.5, color=color if single else "0.3")
+        mark = "tab:red" if single else color
+        requeues = frame[frame["event"] == "requeue"]
+        for step in requeues["step"]:
+            for ax in axes:
+                ax.axvline(step, color=mark, linestyle="--", linewidth=1.2, alpha=0.9)
+        if not requeues.empty:
+            reasons = requeues["reason"] if "reason" in requeues else ["?"] * len(requeues)
+            what = ", ".join(f"{r} at step {int(s)}" for r, s in zip(reasons, requeues["step"]))
+            kinds[f"requeue ({what})" if single else "requeue"] = Line2D(
+                [], [], color=mark if single else "0.3", linestyle="--", linewidth=1.2)
+    for ax, (_, _, name) in zip(axes, panels):
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    legend.update(kinds)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.07 if legend else 0, 1, 1))
+    if legend:
+        fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend), frameon=False, fontsize=9)
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
-
-
-def runs_frame(handles: Sequence[JobHandle], columns: Sequence[str] = ()):  # -> pandas.DataFrame
-    """One DataFrame of the metrics of several runs, with each run's swept values as columns."""
-    import pandas as pd
-
-    parts = []
-    for handle in handles:
-        frame = handle.metrics()
-        sweep = handle.record.get("sweep", {})
-        frame = frame.assign(job_id=handle.job_id, **sweep)
-        parts.append(frame)
-    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-    return frame[[*columns]] if columns else frame
-

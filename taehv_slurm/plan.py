@@ -16,21 +16,25 @@ from typing import Any
 
 from .config import ConfigError, TrainConfig, load_train
 
-# Measured on one H200 with a TAEHV-shaped model (docs/benchmarks.md, shared gpu.md): throughput of
-# each engine relative to DDP at 2 GPUs. ZeRO buys no memory worth its cost for an 11 M-parameter
-# model, so the plan prefers DDP and moves to ZeRO only when parameters + optimizer states do not fit.
+# Throughput of each engine relative to DDP, measured on H200s (docs/benchmarks.md): 2 GPUs, a
+# TAEHV-shaped model (ZeRO-2 −7 %, ZeRO-3 −18 %), and 1 GPU with our model (ZeRO-2 −30 %). ZeRO buys
+# no memory worth its cost for an 11 M-parameter model, so the plan prefers DDP and moves to ZeRO only
+# when parameters + optimizer states do not fit.
 ENGINE_RELATIVE_SPEED = {"ddp": 1.0, "zero1": 0.95, "zero2": 0.93, "zero3": 0.82}
 # Activation memory of one 12×480×720 clip in a bf16 training step (encoder + decoder, forward +
-# backward), measured on H200: peak 49.8 GiB at batch 8 → 6.2 GiB per clip. Scales with frames × pixels.
+# backward, torch.compile), measured on H200: peak 49.5 GiB at batch 8 → 6.2 GiB per clip (22.8 GiB
+# at batch 4). Scales with frames × pixels.
 ACTIVATION_GB_PER_REFERENCE_CLIP = 6.2
 REFERENCE_CLIP_ELEMENTS = 12 * 480 * 720
 # Activation checkpointing keeps about a third of the activations (the block inputs), measured shape.
 CHECKPOINTED_ACTIVATION_FRACTION = 0.35
 GPU_MEMORY_HEADROOM = 0.9  # leave 10 % for the allocator, NCCL buffers and compile workspaces
-# Clips/s one CPU core decodes from 720×480 H.264 (bench/loader_throughput.py) and the trainer's goal
-# speed per GPU: together they set the loader workers for raw-video data.
-DECODE_CLIPS_PER_CORE = 6.0
-TARGET_CLIPS_PER_GPU = 63.0
+# Raw-video loading, measured on a 16-core H200 host (bench/loader_throughput.py, prepare_throughput.py):
+# one CPU core decodes 6.4 clips/s of 12×480×720 H.264; one loader worker (with its decode threads)
+# delivers ~17 clips/s when 8 run at once. The trainer needs ~50 clips/s per H200 (docs/benchmarks.md).
+DECODE_CLIPS_PER_CORE = 6.4
+DECODE_CLIPS_PER_WORKER = 17.0
+TRAIN_CLIPS_PER_GPU = 50.0
 
 NCCL_TIMEOUT_BY_NODES = ((1, 3600), (2, 7200), (8, 14400))  # (from this many nodes, seconds)
 
@@ -58,6 +62,7 @@ class ScalePlan:
     val_every: int = 1000
     ckpt_every: int = 2000
     samples_per_rank_per_step: int = 0
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -75,7 +80,7 @@ class ScalePlan:
             ("NCCL env", " ".join(f"{k}={v}" for k, v in self.nccl_env.items()) or "-"),
             ("loader", f"{self.num_workers} workers/GPU, prefetch {self.prefetch_factor}"),
             ("log / val / ckpt", f"every {self.log_every} / {self.val_every} / {self.ckpt_every} steps"),
-        ]
+        ] + [("note", note) for note in self.notes]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -130,6 +135,13 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
             nccl_env["NCCL_IB_TIMEOUT"] = "22"  # longer IB retry window on large fabrics
 
     workers, prefetch = _loader_settings(cfg, cpus_per_task)
+    notes = []
+    if cfg.data.source == "video" and on_gpu:
+        pixels = cfg.data.frames * cfg.data.height * cfg.data.width / REFERENCE_CLIP_ELEMENTS
+        cores = TRAIN_CLIPS_PER_GPU * pixels / DECODE_CLIPS_PER_CORE
+        if cores > (cpus_per_task or 8):
+            notes.append(f"decoding raw video needs ≈{cores:.0f} CPU cores per GPU to keep up "
+                         f"(cpus_per_task={cpus_per_task or 8}): prepare the data once with `python -m jobs.prepare`")
     scale = _lr_scale(cfg)
     return ScalePlan(
         num_nodes=num_nodes,
@@ -153,6 +165,7 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
         val_every=cfg.intervals.val_every,
         ckpt_every=cfg.intervals.ckpt_every,
         samples_per_rank_per_step=per_gpu * accum,
+        notes=notes,
     )
 
 
@@ -230,7 +243,7 @@ def _loader_settings(cfg: TrainConfig, cpus_per_task: int | None) -> tuple[int, 
     spare = max(0, (cpus_per_task or 8) - 1)  # one core drives the GPU
     if d.source == "video":
         pixels = d.frames * d.height * d.width / REFERENCE_CLIP_ELEMENTS
-        wanted = math.ceil(TARGET_CLIPS_PER_GPU * pixels / DECODE_CLIPS_PER_CORE)
+        wanted = math.ceil(TRAIN_CLIPS_PER_GPU * pixels / DECODE_CLIPS_PER_WORKER)
         auto_workers, auto_prefetch = min(spare, max(1, wanted)), 4
     elif d.source == "prepared":
         auto_workers, auto_prefetch = min(spare, 2), 4

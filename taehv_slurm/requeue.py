@@ -202,7 +202,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         self.grace_s = {"timeout": max(10.0, signal_delay_s - 10.0), "preempted": max(5.0, kill_wait_s - 5.0)}
 
     def __call__(self) -> Any:
-        run_dir = Path(self.run_dir)
+        run_dir = make_private_dir(self.run_dir, os.environ.get("TAEHV_SHARED_GROUP") or None)  # launched directly too
         env = DistEnv.from_environ()
         backend = os.environ.get("SUBMITIT_EXECUTOR", "debug")
         events = EventLog(run_dir / "events.jsonl")

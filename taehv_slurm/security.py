@@ -2,51 +2,102 @@
 
 submitit executes the pickle it finds in the job folder and `torch.load` of a checkpoint can execute
 code, so a folder another user can write is a way into our user's account. Folders we create are
-owner-only (or group-readable when the cluster config names a shared group); before anything is
-loaded, `check_safe_to_load` refuses files or folders that others could have written.
+owner-only (or group-readable when the cluster config names a shared group); files are created under
+an owner-only umask; before anything is loaded, `check_safe_to_load` refuses files or folders that
+others could have written. docs/security.md lists what this guarantees and what the cluster must provide.
 """
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
+import pwd
 import stat
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import ClusterConfig
 
 PRIVATE_DIR_MODE = 0o700
-GROUP_DIR_MODE = 0o750  # group may read (e.g. a project group looking at metrics), never write
+GROUP_DIR_MODE = 0o2750  # group may read (e.g. a project group looking at metrics), never write; setgid: new files keep the group
 PRIVATE_FILE_MODE = 0o600
+PRIVATE_UMASK = 0o077  # files 0600, folders 0700
+GROUP_UMASK = 0o027  # files 0640, folders 0750
 
 
 class UnsafePathError(PermissionError):
     """A file or folder we were about to load from could have been written by another user."""
 
 
-def make_private_dir(path: str | os.PathLike, group: str | None = None) -> Path:
-    """Create `path` (and parents) owner-only, or owner-write/group-read with `group`; fix its mode if it exists."""
-    path = Path(path)
-    old = os.umask(0o077)
+def umask_for(group: str | None) -> int:
+    """The umask under which a run's files are created: owner-only, or group-readable with a shared group."""
+    return GROUP_UMASK if group else PRIVATE_UMASK
+
+
+@contextlib.contextmanager
+def private_umask(group: str | None = None) -> Iterator[None]:
+    """Create files owner-only (group-readable with `group`) inside the block.
+
+    Around sbatch this also makes Slurm create the job's log files with that mode: sbatch records
+    the submitting umask (SLURM_UMASK) and slurmstepd opens the output files under it.
+    """
+    old = os.umask(umask_for(group))
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        yield
     finally:
         os.umask(old)
-    if group:
-        try:
-            gid = grp.getgrnam(group).gr_gid
-        except KeyError:
-            raise UnsafePathError(f"group {group!r} (cluster config 'group') does not exist on this machine") from None
-        os.chown(path, -1, gid)
-        os.chmod(path, GROUP_DIR_MODE | stat.S_ISGID)
-    else:
-        os.chmod(path, PRIVATE_DIR_MODE)
+
+
+def make_private_dir(path: str | os.PathLike, group: str | None = None) -> Path:
+    """Create `path` (and missing parents) owner-only (0700), or 2750 with `group`; tighten it if it exists.
+
+    Raises UnsafePathError (one line) for a folder that belongs to another user or a group the user
+    is not in: such a folder cannot be made private, so nothing is written into it.
+    """
+    path = Path(path)
+    gid = _group_id(group) if group else None
+    created = [p for p in (path, *path.parents) if not os.path.lexists(p)]
+    with private_umask(None):  # never briefly more open than 0700, whatever the caller's umask
+        path.mkdir(parents=True, exist_ok=True)
+    for folder in [path, *[p for p in created if p != path]]:  # created parents too: the group must traverse them
+        _restrict(folder, gid)
     return path
+
+
+def _group_id(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise UnsafePathError(f"group {group!r} (cluster config 'group') does not exist on this machine; "
+                              "set group to one `id -Gn` lists, or remove it to keep run folders owner-only") from None
+
+
+def _restrict(folder: Path, gid: int | None) -> None:
+    st = folder.stat()
+    if st.st_uid != os.geteuid():
+        raise UnsafePathError(f"cannot make {folder} private: it belongs to {_user(st.st_uid)}, not to you; "
+                              f"use a folder of your own (e.g. {folder / _name(os.geteuid())}) as job_dir")
+    if gid is None:
+        os.chmod(folder, PRIVATE_DIR_MODE)
+        return
+    try:
+        os.chown(folder, -1, gid)
+    except PermissionError:
+        name = grp.getgrgid(gid).gr_name
+        raise UnsafePathError(f"cannot give {folder} to group {name!r}: you are not a member of it; set group in "
+                              "the cluster config to one `id -Gn` lists") from None
+    os.chmod(folder, GROUP_DIR_MODE)
 
 
 def check_safe_to_load(path: str | os.PathLike, root: str | os.PathLike | None = None) -> None:
     """Refuse to load `path` unless it and every folder from `root` down to it belong to this user and
-    are writable by nobody else; folders above `root` must not be writable by others (sticky /tmp is fine).
+    are writable by nobody else; folders above `root` must not be writable by everyone unless sticky
+    (like /tmp), checked both as written and with symbolic links resolved.
 
-    Raises UnsafePathError with one line naming the path and the fix.
+    Raises UnsafePathError with one line naming the path and the fix; nothing is changed or deleted.
     """
     path = Path(path).absolute()
     root_path = Path(root).absolute() if root is not None else path.parent
@@ -56,20 +107,22 @@ def check_safe_to_load(path: str | os.PathLike, root: str | os.PathLike | None =
         try:
             st = item.lstat()
         except FileNotFoundError:
-            continue
+            continue  # the loader reports a missing file itself
         if stat.S_ISLNK(st.st_mode):
-            raise UnsafePathError(f"refusing to load {path}: {item} is a symbolic link; replace it with the real file or folder")
+            raise UnsafePathError(f"refusing to load {path}: {item} is a symbolic link; "
+                                  "replace it with the real file or folder")
         if st.st_uid != uid:
             raise UnsafePathError(
-                f"refusing to load {path}: {item} belongs to uid {st.st_uid}, not to you (uid {uid}); "
-                f"copy what you trust into a folder of your own"
+                f"refusing to load {path}: {item} belongs to {_user(st.st_uid)}, not to you ({_name(uid)}); "
+                "copy what you trust into a folder of your own"
             )
         if st.st_mode & 0o022:
             raise UnsafePathError(
                 f"refusing to load {path}: {item} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
                 f"run `chmod go-w {item}` if you trust its contents"
             )
-    for item in root_path.parents:
+    above = dict.fromkeys([*root_path.parents, *root_path.resolve().parents])
+    for item in above:
         st = item.stat()
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
             raise UnsafePathError(
@@ -84,3 +137,41 @@ def write_private(path: str | os.PathLike, data: bytes | str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
     with os.fdopen(fd, "wb") as f:
         f.write(raw)
+
+
+def describe_secret_env(cluster: ClusterConfig, environ: Mapping[str, str] | None = None) -> str | None:
+    """One line for `--dry-run`: the secret env names the job will get (values masked), and where from.
+
+    They reach the job through sbatch's environment (--export=ALL, Slurm's default), never a file.
+    """
+    environ = os.environ if environ is None else environ
+    parts = []
+    for name in sorted(cluster.secret_names()):
+        if cluster.env.get(name, "***") != "***":
+            parts.append(f"{name}=*** (cluster config)")
+        elif name in environ:
+            parts.append(f"{name}=*** (your environment)")
+        else:
+            parts.append(f"{name} (not set: the job will not have it)")
+    if not parts:
+        return None
+    line = "secret env (passed through sbatch's environment, never written to a file): " + ", ".join(parts)
+    # sbatch --export without ALL (from sbatch_args or SBATCH_EXPORT) passes only the names it lists.
+    export = cluster.sbatch_args.get("export") or environ.get("SBATCH_EXPORT")
+    listed = {part.split("=", 1)[0].strip() for part in (export or "").split(",")}
+    left_out = sorted(n for n in cluster.secret_names() if n not in listed)
+    if export and "ALL" not in {p.upper() for p in listed} and left_out:
+        line += f"; but sbatch --export={export} leaves out {', '.join(left_out)}: add ALL or those names to it"
+    return line
+
+
+def _name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _user(uid: int) -> str:
+    name = _name(uid)
+    return f"{name} (uid {uid})" if name != str(uid) else f"uid {uid}"

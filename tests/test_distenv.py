@@ -130,3 +130,24 @@ def test_unreachable_master_fails_in_bounded_time() -> None:
     assert proc.returncode != 0
     assert "rendezvous with 127.0.0.1" in err and "failed after ≤3 s" in err and "rendezvous_timeout_s" in err
     assert elapsed < 30
+
+
+def test_slurm_task_outranks_leftover_launcher_variables() -> None:
+    # sbatch exports the submitting environment: a notebook under torchrun would pass RANK=0 WORLD_SIZE=1.
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+             "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "tb[1-2]"}
+    stale = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29500"}
+    env = DistEnv.from_environ({**slurm, **stale})
+    assert (env.source, env.rank, env.world_size, env.master_addr) == ("slurm", 3, 4, "tb1")
+    # torchrun (or jobs.launch) started INSIDE a Slurm step marks its children: then its variables win.
+    inner = DistEnv.from_environ({**slurm, **stale, "TORCHELASTIC_RUN_ID": "x"})
+    assert (inner.source, inner.world_size) == ("torchrun", 1)
+
+
+def test_jobs_do_not_inherit_launcher_variables(tmp_path) -> None:
+    from taehv_slurm.config import load_cluster
+    from taehv_slurm.executor import sbatch_preview
+
+    script = sbatch_preview(load_cluster({"partition": "gpu"}), tmp_path)
+    unset = next(line for line in script.splitlines() if line.startswith("unset "))
+    assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} <= set(unset.split())

@@ -215,6 +215,25 @@ class VideoFolderClips(Dataset):
             raise ValueError(f"video folder {str(self.root)!r}: none of {len(files)} files yields a "
                              f"{spec.frames}-frame window (skipped: {self.skipped}); see the warnings above")
 
+    @classmethod
+    def from_index(cls, root: str | Path, spec: ClipSpec, videos: dict[str, VideoInfo],
+                   windows: Sequence[tuple[str, int]], stride: int | None = None) -> VideoFolderClips:
+        """Rebuild from the ``videos`` and ``windows`` of an earlier instance without probing the files
+        again (each rank of a preparation job would otherwise re-read every header: O(dataset) per rank)."""
+        self = cls.__new__(cls)
+        self.root, self.spec, self.seed = Path(root), spec, 0
+        self.stride = spec.frames if stride is None else stride
+        self.extensions = ()
+        self.skipped, self.videos, self.windows = {}, dict(videos), list(windows)
+        self._bad_windows = set()
+        return self
+
+    def read_window(self, index: int) -> torch.Tensor:
+        """Window ``index`` exactly (T×3×H×W uint8); raises on a decode error instead of substituting
+        the next window as ``__getitem__`` does (an index of stored windows must name what it stores)."""
+        path, start = self.windows[index]
+        return torch.from_numpy(self._decode_window(path, start)).permute(0, 3, 1, 2).contiguous()
+
     def _skip(self, reason: str, path: Path | str, detail: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         log.warning("skipping %s: %s (%s)", path, reason, detail)

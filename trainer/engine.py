@@ -164,6 +164,8 @@ class DeepSpeedEngine(Engine):
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
         }
+        # DeepSpeed views each parameter as bytes to broadcast it, which channels_last weights refuse.
+        module.to(memory_format=torch.contiguous_format)
         optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
                                                              dist_init_required=False)

@@ -93,6 +93,21 @@ class MemBlock(nn.Module):
     def forward(self, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
         return self.act(self.conv(torch.cat((x, past), dim=1)) + self.skip(x))
 
+    def forward_split(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """The same block without materialising concat(x, past): a per-frame conv of the previous
+        frame is the previous frame of the per-frame conv, so one conv of x with the two weight halves
+        stacked on the output gives both terms; the second is shifted by one frame and added."""
+        first = self.conv[0]
+        c_out, c_in = first.out_channels, first.in_channels // 2
+        weight = torch.cat((first.weight[:, :c_in], first.weight[:, c_in:]), dim=0)
+        both = F.conv2d(x, weight, padding=1)
+        h = both[:, :c_out] + _previous_frames(both[:, c_out:], n) + first.bias.view(1, -1, 1, 1)
+        return self.act(self.conv[2:](F.relu(h)) + self.skip(x))
+
+
+def _is_channels_last(x: torch.Tensor) -> bool:
+    return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
 
 class TPool(nn.Module):
     """Merge ``stride`` consecutive frames (stacked on channels) into one with a 1×1 conv."""
@@ -104,6 +119,12 @@ class TPool(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         nt, c, h, w = x.shape
+        if self.stride > 1 and _is_channels_last(x):
+            # Stack each group's frames on channels in ONE copy that stays channels_last (a plain
+            # reshape copies into NCHW and the next conv copies it back).
+            nhwc = x.permute(0, 2, 3, 1).reshape(nt // self.stride, self.stride, h, w, c)
+            grouped = nhwc.permute(0, 2, 3, 1, 4).reshape(nt // self.stride, h, w, self.stride * c)
+            return self.conv(grouped.permute(0, 3, 1, 2))
         # Frames of one clip are adjacent in the folded batch, so this groups frames within a clip.
         return self.conv(x.reshape(nt // self.stride, self.stride * c, h, w))
 
@@ -118,8 +139,27 @@ class TGrow(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         nt, c, h, w = x.shape
+        y = self.conv(x)
+        if self.stride > 1 and _is_channels_last(y):
+            # Unstack channel blocks into frames in ONE copy that stays channels_last.
+            nhwc = y.permute(0, 2, 3, 1).reshape(nt, h, w, self.stride, c)
+            frames = nhwc.permute(0, 3, 1, 2, 4).reshape(nt * self.stride, h, w, c)
+            return frames.permute(0, 3, 1, 2)
         # Output channel block k becomes frame k of the group (the published weights assume this).
-        return self.conv(x).reshape(nt * self.stride, c, h, w)
+        return y.reshape(nt * self.stride, c, h, w)
+
+
+class _Nearest2x(torch.autograd.Function):
+    """Nearest ×2 upsampling whose backward is a 2×2 sum (avg-pool × 4): the default backward
+    scatters with atomics (index_put) and cost ~5 % of a training step on H200."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(x, scale_factor=2, mode="nearest")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool2d(grad, 2) * 4
 
 
 def _previous_frames(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -138,10 +178,31 @@ def _previous_frames(x: torch.Tensor, n: int) -> torch.Tensor:
     return shifted.reshape(nt, c, h, w)
 
 
+# Exact reformulations used in training (switchable for benchmarks; tests check each against the
+# published block order): MemBlocks without the concat copy, and the encoder's first stage on frame pairs.
+FAST_PATHS = {"split_memblock": False, "pair_first_stage": True, "pad_rgb_out": True}  # docs/benchmarks.md
+
+
 def _apply_stack(stack: nn.Sequential, x: torch.Tensor, n: int) -> torch.Tensor:
-    """Run a stack on (N·T)×C×H×W, all frames at once; the frame count may change at TPool/TGrow."""
-    for block in stack:
-        x = block(x, _previous_frames(x, n)) if isinstance(block, MemBlock) else block(x)
+    """Run a stack on (N·T)×C×H×W, all frames at once; the frame count may change at TPool/TGrow.
+
+    An [Upsample, TGrow] pair runs as TGrow then Upsample: a bias-free 1×1 conv commutes with nearest
+    upsampling exactly, and at the lower resolution it costs a quarter of the work and memory.
+    """
+    blocks = list(stack)
+    i = 0
+    while i < len(blocks):
+        block = blocks[i]
+        if isinstance(block, MemBlock):
+            x = block.forward_split(x, n) if FAST_PATHS["split_memblock"] else block(x, _previous_frames(x, n))
+        elif isinstance(block, nn.Upsample):
+            if i + 1 < len(blocks) and isinstance(blocks[i + 1], TGrow):
+                x = blocks[i + 1](x)
+                i += 1
+            x = _Nearest2x.apply(x)
+        else:
+            x = block(x)
+        i += 1
     return x
 
 
@@ -208,8 +269,27 @@ class TAEHV(nn.Module):
         x = x.reshape(n * t, c, h, w)
         if self.config.patch_size > 1:
             x = F.pixel_unshuffle(x, self.config.patch_size)
-        z = _apply_stack(self.encoder, x, n)
+        first_pool = self.encoder[2]
+        if FAST_PATHS["pair_first_stage"] and first_pool.stride == 2:
+            z = _apply_stack(self.encoder[3:], self._first_stage_on_pairs(x), n)
+        else:
+            z = _apply_stack(self.encoder, x, n)
         return z.reshape(n, -1, *z.shape[1:])
+
+    def _first_stage_on_pairs(self, x: torch.Tensor) -> torch.Tensor:
+        """conv → ReLU → TPool(2) with each pair of frames as one 2×3-channel image: a block-diagonal
+        conv writes both frames' features side by side in the channels, which is exactly the layout the
+        pooling 1×1 conv reads, so the full-resolution frames→channels reshape (a copy of the largest
+        activation) disappears; the 6-channel input also suits the tensor cores better than 3."""
+        conv, pool = self.encoder[0], self.encoder[2]
+        zeros = torch.zeros_like(conv.weight)
+        weight = torch.cat((torch.cat((conv.weight, zeros), 1), torch.cat((zeros, conv.weight), 1)), 0)
+        nt, c, h, w = x.shape
+        pairs = x.reshape(nt // 2, 2 * c, h, w)  # frames 2j, 2j+1 are adjacent: a view for NCHW input
+        if self.encoder[3].weight.is_contiguous(memory_format=torch.channels_last):
+            pairs = pairs.contiguous(memory_format=torch.channels_last)
+        features = F.relu(F.conv2d(pairs, weight, torch.cat((conv.bias, conv.bias)), padding=1))
+        return pool.conv(features)
 
     def decode_video(self, z: torch.Tensor, clamp: bool = True) -> torch.Tensor:
         """N×L×latent_channels×h×w → N×(t_upscale·L − frames_to_trim)×3×8h×8w.
@@ -221,17 +301,49 @@ class TAEHV(nn.Module):
             raise ValueError(f"decode_video expects N×L×{self.config.latent_channels}×h×w latents, "
                              f"got shape {tuple(z.shape)}")
         n, length, c, h, w = z.shape
-        x = _apply_stack(self.decoder, z.reshape(n * length, c, h, w), n)
+        if FAST_PATHS["pad_rgb_out"]:
+            # The last conv has 3 output channels, which tensor cores handle badly: pad its weight to
+            # 16 outputs with zeros and keep the first 3 (same values, a faster kernel).
+            x = _apply_stack(self.decoder[:-1], z.reshape(n * length, c, h, w), n)
+            last = self.decoder[-1]
+            pad = (0, 0, 0, 0, 0, 0, 0, 16 - last.out_channels)
+            x = F.conv2d(x, F.pad(last.weight, pad), F.pad(last.bias, pad[-2:]), padding=1)[:, : last.out_channels]
+        else:
+            x = _apply_stack(self.decoder, z.reshape(n * length, c, h, w), n)
         if self.config.patch_size > 1:
             x = F.pixel_shuffle(x, self.config.patch_size)
         x = x.reshape(n, -1, *x.shape[1:])[:, self.frames_to_trim:]
         return x.clamp(0, 1) if clamp else x
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training pass: (latents, raw decoded frames). Decoded frame i matches input frame
-        i + frames_to_trim."""
+        """Training pass: (latents, raw decoded frames). Decoded frame i matches input frame i; the
+        last frames_to_trim input frames have no decoded counterpart (the published training recipe
+        compares the decoder output with frames[:, :-frames_to_trim])."""
         z = self.encode_video(x)
         return z, self.decode_video(z, clamp=False)
+
+
+def init_for_training(model: TAEHV) -> None:
+    """Initialise a TAEHV to train from scratch (the published file gives no init).
+
+    PyTorch's default conv init shrinks the signal by ~1/√3 per layer, so after ~25 layers the decoder's
+    output hardly depends on its input (std 0.004 for inputs of std 0.2), and training collapses to
+    predicting the mean colour. He-normal weights keep the scale through the ReLUs; each residual branch
+    (a MemBlock's last conv) and the RGB head start at 0.1× so the sum does not grow with depth; the RGB
+    bias starts at mid-grey (0.5) as in the author's training example.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+    with torch.no_grad():
+        for block in model.modules():
+            if isinstance(block, MemBlock):
+                block.conv[-1].weight.mul_(0.1)
+        head = model.decoder[-1]
+        head.weight.mul_(0.1)
+        head.bias.fill_(0.5)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -333,8 +445,14 @@ def _conv_flops(conv: nn.Conv2d, frames: int, h: int, w: int) -> tuple[int, int,
 def _stack_flops(stack: nn.Sequential, t: int, h: int, w: int) -> tuple[int, int, int, int]:
     """Walk a stack's shapes analytically: (conv FLOPs, frames, h, w) after the stack."""
     total = 0
-    for block in stack:
-        if isinstance(block, nn.Conv2d):
+    blocks = list(stack)
+    for i, block in enumerate(blocks):
+        if isinstance(block, TGrow) and i and isinstance(blocks[i - 1], nn.Upsample):
+            # _apply_stack runs this TGrow before the upsample, at the lower resolution.
+            scale = int(blocks[i - 1].scale_factor)  # type: ignore[arg-type]
+            total += _conv_flops(block.conv, t, h // scale, w // scale)[0]
+            t *= block.stride
+        elif isinstance(block, nn.Conv2d):
             f, h, w = _conv_flops(block, t, h, w)
             total += f
         elif isinstance(block, MemBlock):

@@ -35,7 +35,7 @@ from taehv_slurm.requeue import RunContext
 from .data import ClipSpec, GlobalOrder, SyntheticClips, VideoFolderClips, step_batches
 from .engine import Engine, make_engine
 from .losses import DistillModule, load_teacher, lr_at
-from .model import TAEHV, TAEHVConfig, load_published_weights
+from .model import TAEHV, TAEHVConfig, init_for_training, load_published_weights
 
 log = logging.getLogger("taehv")
 
@@ -97,8 +97,8 @@ class Trainer:
         student = TAEHV(TAEHVConfig.from_dict(_model_fields(cfg)))
         if cfg.model.init_from:
             load_published_weights(student, cfg.model.init_from)
-        else:  # from scratch: start the decoder at mid-grey, as the author's training recipe does
-            torch.nn.init.constant_(student.decoder[-1].bias, 0.5)
+        else:
+            init_for_training(student)
         student.to(self.device)
         if cfg.engine.channels_last and self.device.type == "cuda":
             student.to(memory_format=torch.channels_last)

@@ -1,0 +1,391 @@
+"""Start training on a container platform (Kubernetes Job, KubeBrain, ...) or under torchrun.
+
+    python -m jobs.launch --train configs/train/taehv.yaml                 # the platform's entrypoint, one per node
+    python -m jobs.launch --procs-per-node 2 --train configs/train/tiny.yaml   # CPU-only nodes: 2 ranks each
+    python -m jobs.launch --task smoke                                     # every rank: rendezvous + all-reduce
+    torchrun --nproc-per-node 8 -m jobs.launch --train configs/train/taehv.yaml  # torchrun starts the ranks
+
+A platform starts ONE process per node and sets WORLD_SIZE = number of nodes, RANK = node index and
+MASTER_ADDR / MASTER_PORT = node 0's address. This launcher detects the node's GPUs, starts one rank per
+GPU (global rank = node index x GPUs per node + local rank) with torchrun's variables, and watches them.
+SIGTERM / SIGINT are passed on: the ranks save at the next step and exit, and the launcher exits 143
+(130 for SIGINT) so the platform restarts the node and the run resumes from `latest`. A rank that dies
+takes the node down at once with one line naming it. configs/platform/k8s-job.yaml is a full example.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from jobs._cli import REPO, one_line_errors, resolve
+from taehv_slurm.config import (
+    ClusterConfig,
+    ConfigError,
+    TrainConfig,
+    load_cluster,
+    load_train,
+    parse_set_args,
+    split_overrides,
+)
+from taehv_slurm.distenv import LAUNCHER_MARK, DistEnv, DistributedSetupError
+from taehv_slurm.plan import plan_for
+from taehv_slurm.security import make_private_dir
+
+DEFAULT_CLUSTER = "configs/platform/cluster.yaml"
+DEFAULT_TRAIN = "configs/train/taehv.yaml"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+PR_SET_PDEATHSIG = 1
+try:  # loaded here, not in the forked child: dlopen after fork can deadlock on the loader's lock
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    _LIBC = None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jobs.launch", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--train", default=DEFAULT_TRAIN, help=f"training YAML (default {DEFAULT_TRAIN})")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER,
+                   help=f"runtime settings: device, timeouts, env, job_dir, requeue limits (default {DEFAULT_CLUSTER})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any cluster or train key, e.g. --set steps=1000 --set env.NCCL_DEBUG=INFO")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs to use per node (default: all that torch sees)")
+    p.add_argument("--procs-per-node", type=int, help="CPU ranks per node (nodes without GPUs, tests)")
+    p.add_argument("--task", default="train", metavar="train|smoke|MODULE:NAME",
+                   help="what every rank runs (default train); MODULE:NAME is a callable taking a RunContext "
+                        "(a class is instantiated without arguments)")
+    p.add_argument("--run-dir", help="run folder on storage every node shares (default <job_dir>/<train name>); "
+                                     "the same folder on a restart resumes from its latest checkpoint")
+    p.add_argument("--bandwidth-mib", default="", metavar="SIZES",
+                   help="smoke task: all-reduce bus bandwidth at these message sizes, e.g. 1,16,128")
+    return p
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.task not in ("train", "smoke") and ":" not in args.task:
+        raise ConfigError(f"--task {args.task!r}: expected train, smoke or MODULE:NAME")
+    if "LOCAL_RANK" in os.environ:  # started by torchrun or by this launcher: this process is one rank
+        return run_rank(args)
+    return launch_node(args, argv)
+
+
+# ------------------------------------------------------------------------------------- configs
+
+
+def load_configs(args: argparse.Namespace, ranks_per_node: int, device: str) -> tuple[ClusterConfig, TrainConfig]:
+    """The cluster config shaped for this node (ranks, device) and the train config, with --set applied."""
+    cluster_over, train_over = split_overrides(parse_set_args(args.set))
+    if "nodes" in cluster_over:
+        raise ConfigError("--set nodes: on a platform the number of nodes is WORLD_SIZE; remove --set nodes")
+    path = resolve(args.cluster)
+    base = load_cluster(path, **cluster_over)
+    device = device if device != "auto" else base.device
+    # One rank per GPU: gpus_per_node = ranks, except on CPU ranks (no GPU per rank).
+    cluster = dataclasses.replace(base, device=device, tasks_per_node=ranks_per_node,
+                                  gpus_per_node=0 if device == "cpu" else ranks_per_node)
+    return cluster.validate(str(path)), load_train(resolve(args.train), **train_over)
+
+
+def default_run_dir(args: argparse.Namespace, cluster: ClusterConfig, train: TrainConfig) -> Path:
+    # Stable across restarts (no timestamp): a restarted pod must find the same checkpoints.
+    if args.run_dir:
+        return Path(args.run_dir)
+    name = train.name if args.task == "train" else args.task.replace(":", "-")
+    return Path(cluster.job_dir) / name
+
+
+def visible_gpus() -> int:
+    """GPUs this node's ranks can use, as torch counts them (CUDA_VISIBLE_DEVICES applies)."""
+    if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
+        return 0  # no NVIDIA/AMD device files: no GPU, and no need to import torch to learn it
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def choose_ranks(args: argparse.Namespace, device_setting: str, gpus: int, num_nodes: int) -> tuple[int, str]:
+    """(ranks per node, "cuda" | "cpu") from the GPUs found and the flags."""
+    host = socket.gethostname()
+    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--procs-per-node", args.procs_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be ≥ 1, got {value}")
+    if args.procs_per_node is not None:
+        if args.gpus_per_node is not None:
+            raise ConfigError("--gpus-per-node and --procs-per-node exclude each other: GPU ranks or CPU ranks")
+        if device_setting == "cuda":
+            raise ConfigError("--procs-per-node starts CPU ranks but the cluster config says device: cuda; "
+                              "use --gpus-per-node, or set device: cpu")
+        return args.procs_per_node, "cpu"
+    if device_setting == "cpu" or gpus == 0:
+        if device_setting == "cuda":
+            raise DistributedSetupError(f"{host} shows no GPU but the cluster config says device: cuda; give the "
+                                        "pod its GPUs (e.g. resources.limits nvidia.com/gpu) or set device: cpu")
+        if args.gpus_per_node is None:
+            raise ConfigError(f"{host} shows no GPU: pass --procs-per-node N to run N CPU ranks per node")
+        return args.gpus_per_node, "cpu"
+    wanted = args.gpus_per_node or gpus
+    if wanted > gpus:  # the '1 x 16 on 2 x 8' mistake, caught before CUDA's "invalid device ordinal"
+        total = wanted * num_nodes
+        raise DistributedSetupError(
+            f"--gpus-per-node {wanted} but {host} shows {gpus} GPU(s): a node runs one rank per GPU of its own; "
+            f"for {total} GPUs run {-(-total // gpus)} nodes (WORLD_SIZE = number of nodes) with --gpus-per-node {gpus}"
+        )
+    return wanted, "cuda"
+
+
+def nccl_environ(num_nodes: int, ranks_per_node: int, device: str, train: TrainConfig | None,
+                 cluster: ClusterConfig) -> dict[str, str]:
+    """The plan's NCCL settings for this node count (and the batch check when training)."""
+    # Other tasks only need the NCCL part, which depends on the node count alone: plan a batch that
+    # always splits, of clips so small that the memory check cannot refuse it.
+    spec: TrainConfig | Mapping[str, Any] = train if train is not None else {
+        "data": {"frames": 4, "height": 8, "width": 8},
+        "batch": {"effective": num_nodes * ranks_per_node, "per_gpu": 1}}
+    plan = plan_for(num_nodes, ranks_per_node, spec, gpu_memory_gb=cluster.gpu_memory_gb,
+                    cpus_per_task=cluster.cpus_per_task, device=device)
+    return dict(plan.nccl_env)
+
+
+# ------------------------------------------------------------------------------------ one node
+
+
+def launch_node(args: argparse.Namespace, argv: list[str]) -> int:
+    node = DistEnv.from_environ()
+    if node.source in ("slurm", "local"):
+        raise DistributedSetupError(
+            f"jobs.launch found {node.source} task variables: under Slurm submit with `python -m jobs.submit` "
+            "(one task per GPU); jobs.launch is for platforms that start one process per node")
+    if ":" in args.task:  # a missing module is this node's error, not one per rank
+        module = args.task.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise ConfigError(f"--task {args.task}: no module {module!r} on PYTHONPATH; give MODULE:NAME of a "
+                              "callable taking a RunContext")
+    gpus = visible_gpus()
+    cluster_over, _ = split_overrides(parse_set_args(args.set))
+    cluster_over.pop("nodes", None)  # load_configs says why it is refused
+    device_setting = load_cluster(resolve(args.cluster), **cluster_over).device
+    ranks, device = choose_ranks(args, device_setting, gpus, node.num_nodes)
+    cluster, train = load_configs(args, ranks, device)
+    extra = nccl_environ(node.num_nodes, ranks, device, train if args.task == "train" else None, cluster)
+    run_dir = make_private_dir(default_run_dir(args, cluster, train).absolute(), cluster.group)
+
+    # Precedence: the plan's NCCL defaults < the platform's environment < the cluster config's env.
+    base = {**extra, **os.environ, **cluster.env, "PYTHONUNBUFFERED": "1"}
+    base.setdefault("OMP_NUM_THREADS", str(cluster.runtime()["torch_threads"]))
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    # The ranks re-read the same flags; the device and run folder chosen here are appended (last wins).
+    command = [sys.executable, "-m", "jobs.launch", *argv, "--set", f"device={device}", "--run-dir", str(run_dir)]
+    ranks_env = [node.for_local_rank(i, ranks) for i in range(ranks)]
+    first, last = ranks_env[0].rank, ranks_env[-1].rank
+    say(f"[launch] node {node.node_rank}/{node.num_nodes} on {socket.gethostname()}: ranks {first}-{last} of "
+        f"{ranks_env[0].world_size} ({ranks} per node, {device}), master {node.master_addr}:{node.master_port}, "
+        f"run folder {run_dir}")
+    supervisor = NodeSupervisor(node.node_rank, grace_s=float(cluster.kill_wait_s))
+    marked = {LAUNCHER_MARK: "1"}  # the ranks read their rank from us, not from an enclosing Slurm step
+    return supervisor.run([(env, command, {**base, **env.torchrun_environ(), **marked}) for env in ranks_env])
+
+
+@dataclasses.dataclass
+class _Rank:
+    env: DistEnv
+    proc: subprocess.Popen
+
+
+class NodeSupervisor:
+    """Start the ranks of one node, pass stop signals on, and end the node when one rank fails."""
+
+    def __init__(self, node_rank: int, grace_s: float) -> None:
+        self.node_rank = node_rank
+        self.grace_s = grace_s  # from a stop signal to SIGKILL: the ranks' time to save (kill_wait_s)
+        self.ranks: list[_Rank] = []
+        self.stop_signal: int | None = None
+        self.stop_deadline = float("inf")
+        self._exits: queue.Queue[_Rank] = queue.Queue()
+
+    def run(self, commands: list[tuple[DistEnv, list[str], dict[str, str]]]) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            for env, command, environ in commands:
+                if self.stop_signal is not None:
+                    break
+                proc = subprocess.Popen(command, env=environ, start_new_session=True, preexec_fn=_die_with_parent)
+                self.ranks.append(_Rank(env, proc))
+            # One waiter thread per rank: exits are seen in the order they happened, so the rank named is
+            # the one that died first, not a sibling that failed because of it.
+            for rank in self.ranks:
+                threading.Thread(target=self._wait_for, args=(rank,), daemon=True).start()
+            return self._watch()
+        finally:
+            self._kill(self.ranks)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _wait_for(self, rank: _Rank) -> None:
+        rank.proc.wait()
+        self._exits.put(rank)
+
+    def _watch(self) -> int:
+        done = 0
+        while done < len(self.ranks):
+            try:
+                rank = self._exits.get(timeout=0.2)
+            except queue.Empty:
+                if time.monotonic() > self.stop_deadline:
+                    alive = [r for r in self.ranks if r.proc.poll() is None]
+                    say(f"[launch] node {self.node_rank}: {len(alive)} rank(s) still running {self.grace_s:.0f} s "
+                        "after the stop signal; killing them (the last checkpoint is intact)")
+                    self._kill(alive)
+                    return 128 + int(self.stop_signal or signal.SIGTERM)
+                continue
+            done += 1
+            code = rank.proc.returncode
+            if code != 0 and self.stop_signal is None:
+                return self._fail(rank, code)
+        if self.stop_signal is not None:
+            name = signal.Signals(self.stop_signal).name
+            say(f"[launch] node {self.node_rank}: all ranks exited after {name}; exiting {128 + self.stop_signal} "
+                "so the platform restarts this node (the run resumes from its latest checkpoint)")
+            return 128 + self.stop_signal
+        return 0
+
+    def _fail(self, rank: _Rank, code: int) -> int:
+        others = [r for r in self.ranks if r is not rank and r.proc.poll() is None]
+        self._kill(others)
+        if code < 0:
+            sig = signal.Signals(-code).name
+            how = f"was killed by {sig}" + (" (often the kernel's out-of-memory killer)" if sig == "SIGKILL" else "")
+        else:
+            how = f"exited with code {code}"
+        say(f"error: node {self.node_rank}: rank {rank.env.rank} (local rank {rank.env.local_rank}) {how}; "
+            f"stopped the {len(others)} other rank(s) of this node; rank {rank.env.rank}'s output above says why",
+            err=True)
+        return code if code > 0 else 128 - code
+
+    def _on_signal(self, signum: int, _frame: Any = None) -> None:
+        alive = [r for r in self.ranks if r.proc.poll() is None]
+        if self.stop_signal is not None:  # a second signal: do not wait for the save
+            say(f"[launch] node {self.node_rank}: second signal; killing {len(alive)} rank(s)")
+            self._kill(alive)
+            return
+        self.stop_signal = signum
+        self.stop_deadline = time.monotonic() + self.grace_s
+        # SIGINT is passed on as SIGTERM: the ranks save on SIGTERM, while SIGINT would end them unsaved.
+        forward = signal.SIGUSR2 if signum == signal.SIGUSR2 else signal.SIGTERM
+        say(f"[launch] node {self.node_rank}: caught {signal.Signals(signum).name}; sending {forward.name} to "
+            f"{len(alive)} rank(s): they save at the next step and exit")
+        for rank in alive:
+            with contextlib.suppress(ProcessLookupError):
+                rank.proc.send_signal(forward)  # the rank only: its data-loader workers must outlive the save
+
+    @staticmethod
+    def _kill(ranks: list[_Rank]) -> None:
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(rank.proc.pid, signal.SIGKILL)  # the rank and its data-loader workers
+        for rank in ranks:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rank.proc.wait(timeout=30)
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: the rank gets SIGKILL if the launcher dies (e.g. killed with SIGKILL
+    # outside a container), instead of lingering in a rendezvous no one will join. Linux only.
+    if _LIBC is not None:
+        with contextlib.suppress(AttributeError):
+            _LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+# ------------------------------------------------------------------------------------- one rank
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """Run the task in this process (one rank): started by this launcher or by torchrun."""
+    from taehv_slurm.requeue import RequeueableTask, StopRequested
+
+    env = DistEnv.from_environ()
+    cluster, train = load_configs(args, env.local_world_size, "auto")
+    run_dir = make_private_dir(default_run_dir(args, cluster, train), cluster.group)
+    if args.task == "smoke":
+        return _run_smoke(args, cluster, env)
+    task = make_task(args.task, cluster, train)
+    # No requeue on failure: on a platform the platform restarts the node, so a failed rank must exit
+    # non-zero (the launcher then stops the node) rather than requeue itself and exit 0 as on Slurm.
+    wrapped = RequeueableTask(task, run_dir, cluster.max_requeues, cluster.max_requeues_without_progress,
+                              requeue_on_failure=False, signal_delay_s=cluster.signal_delay_s,
+                              kill_wait_s=cluster.kill_wait_s)
+    try:
+        result = wrapped()
+    except StopRequested as err:
+        say(f"error: rank {env.rank}: not starting: {err}", err=True)
+        return 3
+    except Exception as err:  # the traceback is already in this rank's output (RequeueableTask printed it)
+        say(f"error: rank {env.rank}: {type(err).__name__}: {_first_line(err)}", err=True)
+        return 1
+    if env.rank == 0 and result is not None:
+        say(f"[taehv] result: {json.dumps(result, default=str)}")
+    return 0
+
+
+def make_task(spec: str, cluster: ClusterConfig, train: TrainConfig) -> Callable[..., Any]:
+    if spec == "train":
+        from trainer.train import TrainTask
+
+        return TrainTask(train.to_dict(), cluster.runtime())
+    module_name, _, name = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"--task {spec}: cannot import it ({err}); give MODULE:NAME of a callable on PYTHONPATH") from None
+    return obj() if isinstance(obj, type) else obj
+
+
+def _run_smoke(args: argparse.Namespace, cluster: ClusterConfig, env: DistEnv) -> int:
+    from taehv_slurm.smoke import SmokeTask
+
+    sizes = tuple(int(s) for s in args.bandwidth_mib.split(",") if s.strip())
+    backend = "gloo" if cluster.device == "cpu" else cluster.dist_backend
+    facts = SmokeTask(backend=backend, rendezvous_timeout_s=cluster.rendezvous_timeout_s, bandwidth_mib=sizes)()
+    say(f"[taehv] smoke: {json.dumps(facts, default=str)}")
+    return 0 if facts["sum"] == facts["expected_sum"] else 1
+
+
+def say(line: str, err: bool = False) -> None:
+    """Write one whole line with one write: ranks share the node's stdout/stderr, and print() writes the
+    newline separately when Python runs unbuffered (PYTHONUNBUFFERED), so lines of two ranks could merge."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

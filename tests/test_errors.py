@@ -1,0 +1,217 @@
+"""The bad-input catalogue (docs/errors.md): each message there is what a user really sees.
+
+Every test here produces an error for real (CLI, read-only mount, corrupt file, real checkpoint) and
+compares it with the text docs/errors.md shows for it (`<!-- msg: KEY -->` before a ```text block).
+Entries whose behaviour other test files already cover name those tests in the doc instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jobs.launch import choose_ranks
+from taehv_slurm.checkpoint import Checkpointer, CheckpointError
+from taehv_slurm.distenv import DistributedSetupError
+from taehv_slurm.picklecheck import UnpicklableTaskError, check_picklable
+from tests.helpers import tiny_train
+from tests.videos import write_garbage, write_video
+from trainer.data import ClipSpec, VideoFolderClips
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "errors.md"
+HOST = socket.gethostname()
+
+
+def documented(key: str) -> str:
+    """The message block docs/errors.md shows under `<!-- msg: KEY -->`."""
+    blocks = dict(re.findall(r"<!-- msg: (\S+) -->\n```text\n(.*?)\n```", DOC.read_text(), re.S))
+    assert key in blocks, f"docs/errors.md has no message block '{key}'"
+    return blocks[key]
+
+
+def as_documented(text: str) -> str:
+    # The doc was copied on a machine named "vm"; other machines print their own name there.
+    return text.replace(HOST, "vm") if HOST != "vm" else text
+
+
+def cli(module: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run a CLI from `cwd` (relative paths in messages stay short); returns (exit code, stderr)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                         env={**base, "PYTHONPATH": str(REPO), **(env or {})})
+    return out.returncode, out.stderr.strip()
+
+
+@pytest.fixture
+def read_only(tmp_path: Path) -> Iterator[Path]:
+    """A real read-only filesystem (tmpfs mounted ro): even root cannot write there."""
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.fail(f"cannot mount a read-only tmpfs (needs root): {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+# ------------------------------------------------------------------------------------- configs
+
+CONFIG_CASES = {
+    "malformed-yaml": ("bad.yaml", "nodes: 2\npartition: [gpu\ntime_min: 5\n", ["--cluster", "bad.yaml"]),
+    "unknown-key": ("typo.yaml", "nodse: 2\n", ["--cluster", "typo.yaml"]),
+    "unknown-set-key": (None, None, ["--set", "nodez=2"]),
+    "wrong-type": (None, None, ["--set", "nodes=two"]),
+    "batch-split": (None, None, ["--nodes", "3"]),
+    "batch-memory": (None, None, ["--set", "batch.per_gpu=64", "--set", "batch.effective=512"]),
+    "tasks-gpus-mismatch": (None, None, ["--set", "tasks_per_node=16"]),
+}
+
+
+@pytest.mark.parametrize("key", list(CONFIG_CASES))
+def test_config_errors_are_one_line_on_the_command_line(key: str, tmp_path: Path) -> None:
+    name, text, args = CONFIG_CASES[key]
+    shutil.copy(REPO / "configs/cluster/h100_8gpu.yaml", tmp_path / "cluster.yaml")
+    if name:
+        (tmp_path / name).write_text(text)
+    else:
+        args = ["--cluster", "cluster.yaml", *args]
+    code, err = cli("jobs.submit", *args, "--dry-run", cwd=tmp_path)
+    assert code == 2 and err == documented(key)
+
+
+@pytest.mark.usefixtures("slurm_cluster")
+def test_missing_partition_on_the_command_line(tmp_path: Path) -> None:
+    shutil.copy(REPO / "configs/cluster/testbed.yaml", tmp_path / "cluster.yaml")
+    code, err = cli("jobs.submit", "--cluster", "cluster.yaml", "--task", "smoke", "--set", "partition=nosuch",
+                    "--set", "job_dir=runs", cwd=tmp_path)
+    assert code == 2 and err.splitlines()[-1] == documented("missing-partition")  # sbatch's own lines come first
+
+
+# ------------------------------------------------------------------------------------ launcher
+
+
+def test_launcher_setup_errors(tmp_path: Path) -> None:
+    code, err = cli("jobs.launch", "--task", "smoke", cwd=tmp_path)
+    assert code == 2 and as_documented(err) == documented("launch-no-gpu")
+    code, err = cli("jobs.launch", "--task", "smoke", "--procs-per-node", "2", cwd=tmp_path,
+                    env={"RANK": "1", "WORLD_SIZE": "2"})
+    assert code == 2 and err == documented("launch-no-master")
+
+
+def test_launcher_refuses_more_gpus_per_node_than_the_node_has() -> None:
+    # The platform form of '1 x 16 on 2 x 8': asking one node for 16 GPUs where torch sees 8.
+    args = argparse.Namespace(gpus_per_node=16, procs_per_node=None)
+    with pytest.raises(DistributedSetupError) as err:
+        choose_ranks(args, "auto", gpus=8, num_nodes=1)
+    assert as_documented(f"error: {err.value}") == documented("launch-gpus-per-node")
+
+
+# ---------------------------------------------------------------------------------------- data
+
+
+def test_dataset_missing_or_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # relative paths, as a config would give them
+    spec = ClipSpec(8, 64, 64)
+    with pytest.raises(ValueError) as err:
+        VideoFolderClips("videos", spec)
+    assert f"ValueError: {err.value}" == documented("dataset-missing")
+    Path("videos").mkdir()
+    Path("videos/README.txt").write_text("videos go here")
+    with pytest.raises(ValueError) as err:
+        VideoFolderClips("videos", spec)
+    assert f"ValueError: {err.value}" == documented("dataset-empty")
+
+
+def test_dataset_missing_in_a_launched_job(tmp_path: Path) -> None:
+    code, err = cli("jobs.launch", "--cluster", "configs/platform/cluster.yaml", "--train", "configs/train/tiny.yaml",
+                    "--procs-per-node", "1", "--set", "torch_threads=1", "--set", "data.source=video", "--set", "data.path=videos",
+                    "--run-dir", "runs/tiny", cwd=tmp_path)
+    assert code == 1
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert "\n".join(lines) == documented("dataset-missing-job")
+
+
+def test_corrupt_video_is_skipped_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("videos").mkdir()
+    write_video("videos/good.mp4", 16, 64, 48)
+    write_garbage("videos/broken.mp4")
+    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+        clips = VideoFolderClips("videos", ClipSpec(8, 48, 64))
+    assert clips.skipped == {"unreadable": 1} and len(clips) == 2  # the good file's two windows remain
+    assert [r.getMessage() for r in caplog.records] == [documented("corrupt-video")]
+
+
+# --------------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_folder_not_writable(read_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    # In a running job: the save fails with one line, the run keeps its earlier checkpoint.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer("ro/ck").save({"w": torch.zeros(4)}, 1)
+    assert f"CheckpointError: {err.value}" == documented("checkpoint-not-writable")
+    # Before submitting: the CLI refuses to create its run folders there ...
+    code, out = cli("jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--task", "smoke", "--set",
+                    "job_dir=ro/runs", cwd=tmp_path)
+    assert code == 2 and out == documented("job-dir-not-writable")
+    # ... and preflight names the row.
+    result = subprocess.run([sys.executable, "-m", "jobs.preflight", "--nodes", "1", "--cluster", "configs/cluster/local.yaml",
+                             "--train", "configs/train/tiny.yaml", "--set", "job_dir=ro/runs"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 1
+    row = [line for line in result.stdout.splitlines() if line.startswith("checkpoint folder")]
+    assert row == [documented("preflight-job-dir")]
+
+
+def test_checkpoint_from_another_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.train import IncompatibleCheckpointError, TrainTask
+
+    monkeypatch.chdir(tmp_path)
+    runtime = {"device": "cpu", "torch_threads": 1, "run_dir": "runs/tiny"}
+    short = {"intervals.log_every": 1, "intervals.val_every": 1000}
+    result = TrainTask(tiny_train(steps=1, **short).to_dict(), runtime)()
+    assert result["step"] == 1
+    wider = tiny_train(steps=2, **short, **{"model.encoder_width": 32}).to_dict()
+    with pytest.raises(IncompatibleCheckpointError) as err:
+        TrainTask(wider, runtime)()
+    assert f"IncompatibleCheckpointError: {err.value}" == documented("incompatible-checkpoint")
+    assert Checkpointer("runs/tiny/checkpoints").latest_step() == 1  # nothing was overwritten
+
+
+# ----------------------------------------------------------------------------------- submitting
+
+
+class TaskWithALock:
+    """A task that keeps a lock made in __init__: it cannot travel to the nodes."""
+
+    def __init__(self) -> None:
+        self.steps = 10
+        self.progress = {"lock": threading.Lock(), "done": 0}
+
+    def __call__(self, ctx: object) -> None:
+        pass
+
+
+def test_unpicklable_task_names_the_attribute() -> None:
+    with pytest.raises(UnpicklableTaskError) as err:
+        check_picklable(TaskWithALock())
+    assert f"UnpicklableTaskError: {err.value}" == documented("unpicklable-task")
+    check_picklable(lambda ctx: None)  # notebook lambdas and closures travel by value: fine

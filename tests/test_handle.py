@@ -1,0 +1,373 @@
+"""JobHandle and the status/logs/cancel/submit CLIs against real jobs on the Slurm testbed.
+
+One module fixture submits every job at once (they run side by side on the testbed's two nodes, so
+the module's wall time is about that of its longest job):
+
+- `train`: tiny training, 1 node × 2 tasks — observed RUNNING, requeued once with `scontrol requeue`,
+  then COMPLETED; its TensorBoard files and rank-0 log are read back.
+- `doomed`: a long training, cancelled with `python -m jobs.cancel` once it trains → CANCELLED.
+- `crash`: tests.tasks.CrashAfterStart with requeue_on_failure off → FAILED with its error.
+- a sweep of two learning rates through `python -m jobs.submit --sweep` → one job array.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from jobs.submit import submit_training
+from taehv_slurm.handle import JobHandle, registry_frame, runs_frame, submit
+from tests.helpers import REPO, make_cluster, tiny_train, wait_done, wait_for
+from tests.tasks import CrashAfterStart
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+TRAIN_STEPS = 40
+REQUEUE_AT = 8  # requeue once the run logged this step
+SECRET = "s3cr3t-do-not-write"
+LRS = (1e-4, 2e-4)
+EXPECTED_TB_TAGS = {"train/loss", "train/psnr", "train/reconstruction_loss", "train/latent_loss", "lr",
+                    "samples_per_second"}  # + gpu_memory on GPUs (the testbed computes on the CPU: no value)
+
+
+@dataclass
+class Jobs:
+    job_dir: Path
+    train: JobHandle
+    doomed: JobHandle
+    crash: JobHandle
+    sweep_cli: subprocess.CompletedProcess | None = None
+    follower: subprocess.Popen | None = None  # `jobs.logs --follow` on the train job, started while it runs
+    notes: dict = field(default_factory=dict)
+
+
+def cli(*args: str, timeout: float = 120, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, env=environ,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
+    job_dir = tmp_path_factory.mktemp("handle")
+    # A secret in the cluster env: reaches the job through sbatch's environment, never the registry.
+    two = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=10, env={"WANDB_API_KEY": SECRET, "TAEHV_NOTE": "public"})
+    one = make_cluster(job_dir, nodes=1, gpus_per_node=1, time_min=10)
+    steady = {"intervals.log_every": 2, "intervals.val_every": 20, "intervals.ckpt_every": 10_000}
+    # The CLI sweep is started first: its process imports torch while the other jobs are submitted.
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--train",
+         "configs/train/tiny.yaml", "--nodes", "1", "--gpus-per-node", "1", "--time-min", "10",
+         "--set", f"job_dir={job_dir}", "--set", "steps=6", "--set", "intervals.log_every=2",
+         "--sweep", "optim.lr=" + ",".join(f"{lr:g}" for lr in LRS), "--name", "lr-sweep"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    submitted = Jobs(
+        job_dir=job_dir,
+        train=submit_training(two, tiny_train(steps=TRAIN_STEPS, **steady), "observed")[0],
+        doomed=submit_training(one, tiny_train(steps=100_000, **{"intervals.log_every": 1}), "doomed")[0],
+        crash=submit(CrashAfterStart(), make_cluster(job_dir, nodes=1, gpus_per_node=1, requeue_on_failure=False),
+                     "crash"),
+    )
+    out, err = sweep.communicate(timeout=300)
+    submitted.sweep_cli = subprocess.CompletedProcess(sweep.args, sweep.returncode, out, err)
+    try:
+        yield submitted
+    finally:  # never leave a job of ours running (the long one above would run for its whole time limit)
+        ids = [submitted.train.job_id, submitted.doomed.job_id, submitted.crash.job_id]
+        ids += re.findall(r"submitted job (\S+)", out)
+        subprocess.run(["scancel", *ids], capture_output=True)
+        if submitted.follower is not None and submitted.follower.poll() is None:
+            submitted.follower.kill()
+
+
+def allocation_rows(handle: JobHandle) -> list[dict]:
+    """sacct's allocation records of the job (one per run attempt); [] until the last attempt ended."""
+    acct = handle.accounting()
+    alloc = acct[acct["JobID"] == handle.job_id].to_dict("records")
+    return alloc if alloc and alloc[-1]["State"].split()[0] not in ("PENDING", "RUNNING", "REQUEUED") else []
+
+
+def sweep_ids(jobs: Jobs) -> list[str]:
+    assert jobs.sweep_cli is not None and jobs.sweep_cli.returncode == 0, jobs.sweep_cli.stderr[-2000:]
+    return re.findall(r"submitted job (\S+)", jobs.sweep_cli.stdout)
+
+
+# --------------------------------------------------------------------------------------- RUNNING
+
+
+def test_running_job_through_handle_and_clis(jobs: Jobs) -> None:
+    train = jobs.train
+    wait_for(lambda: (train.last_step() or 0) >= 4, 300, "the train job to log step 4")
+    assert train.state == "RUNNING"
+    assert not train.done()
+    frame = train.metrics()
+    assert not frame.empty and set(frame["event"]) <= {"train", "val"}
+    assert {"step", "time", "loss", "psnr", "samples_per_second", "lr", "gpu_memory_gb"} <= set(frame.columns)
+
+    status = cli("jobs.status", train.job_id, "--job-dir", str(jobs.job_dir))
+    assert status.returncode == 0, status.stderr
+    header, row = status.stdout.splitlines()[:2]
+    assert header.split()[:3] == ["job_id", "run", "state"]
+    assert row.split()[:3] == [train.job_id, "observed", "RUNNING"]
+    assert re.search(rf"\b\d+/{TRAIN_STEPS}\b", row)
+
+    logs = cli("jobs.logs", train.job_id, "-n", "200", "--job-dir", str(jobs.job_dir))
+    assert logs.returncode == 0 and f"train step 4/{TRAIN_STEPS}" in logs.stdout
+    assert "[rank 1]" not in cli("jobs.logs", train.job_id, "--rank", "0", "--job-dir", str(jobs.job_dir)).stdout
+
+    # Follow rank 0's log from now until the job ends: across the requeue below.
+    jobs.follower = subprocess.Popen([sys.executable, "-m", "jobs.logs", train.job_id, "--follow", "--job-dir",
+                                      str(jobs.job_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    # Preempt it as the scheduler would; the run saves, Slurm requeues it, and it resumes.
+    train.wait(until_step=REQUEUE_AT, timeout_s=300, poll_s=0.5, progress=False)
+    train.requeue()
+    jobs.notes["requeued_at"] = time.time()
+    wait_for(lambda: len(train.requeues) == 1, 120, "the requeue event")
+
+
+# ---------------------------------------------------------------------------- CANCELLED, FAILED
+
+
+def test_cancel_cli_cancels_a_running_job(jobs: Jobs) -> None:
+    doomed = jobs.doomed
+    wait_for(lambda: (doomed.last_step() or 0) >= 1, 300, "the long job to train")
+    out = cli("jobs.cancel", doomed.job_id, "--job-dir", str(jobs.job_dir))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"cancelled job {doomed.job_id} (was RUNNING)")
+    assert "--name doomed" in out.stdout
+    assert wait_done(doomed.job_id, 120) == "CANCELLED"
+    attached = JobHandle.attach(doomed.job_id, jobs.job_dir)
+    assert attached.state.startswith("CANCELLED") and attached.done()
+    # It saved on the SIGTERM of the cancel: that is no requeue.
+    wait_for(lambda: (doomed.run_dir / "checkpoints" / "latest").exists(), 60, "the save on cancel")
+    assert attached.requeues.empty and attached.requeue_count == 0
+    assert "requeue" not in set(attached.metrics()["event"])
+    alloc = wait_for(lambda: allocation_rows(attached), 60, "sacct to record the end")
+    assert [r["State"].split()[0] for r in alloc] == ["CANCELLED"]
+    again = cli("jobs.cancel", doomed.job_id, "--job-dir", str(jobs.job_dir))
+    assert again.returncode == 0 and "already ended (CANCELLED" in again.stdout
+
+
+def test_failed_job_reports_its_error(jobs: Jobs) -> None:
+    crash = jobs.crash
+    assert wait_done(crash.job_id, 300) == "FAILED", crash.tail(60)
+    assert crash.state == "FAILED" and crash.done()
+    assert crash.error == "RuntimeError: simulated crash right after the restart"
+    assert crash.stop_reason is None  # requeue_on_failure off: it failed, nothing stopped it
+    assert crash.requeues.empty and crash.requeue_count == 0
+    alloc = wait_for(lambda: allocation_rows(crash), 60, "sacct to record the end")
+    assert [r["State"] for r in alloc] == ["FAILED"] and alloc[0]["ExitCode"] != "0:0"
+    status = cli("jobs.status", crash.job_id, "--job-dir", str(jobs.job_dir))
+    assert status.returncode == 0 and "FAILED" in status.stdout
+    assert "RuntimeError: simulated crash right after the restart" in status.stdout
+    logs = cli("jobs.logs", crash.job_id, "--job-dir", str(jobs.job_dir))
+    assert "RuntimeError: simulated crash right after the restart" in logs.stdout
+
+
+# ------------------------------------------------------------------------- REQUEUED → COMPLETED
+
+
+def test_requeued_job_completes_with_requeue_in_metrics_and_sacct(jobs: Jobs, capsys) -> None:
+    train = jobs.train
+    final = train.wait(timeout_s=600, poll_s=1)
+    assert final == "COMPLETED", train.tail(80)
+    shown = capsys.readouterr().out  # wait()'s progress: plain lines under pytest (no TTY)
+    assert "\r" not in shown and f"job {train.job_id}: COMPLETED · step {TRAIN_STEPS}/{TRAIN_STEPS}" in shown
+    assert "requeued 1×" in shown
+
+    requeues = train.requeues
+    assert list(requeues["reason"]) == ["preempted"]
+    step = int(requeues["step"].iloc[0])
+    assert REQUEUE_AT <= step < TRAIN_STEPS
+
+    frame = train.metrics()
+    steps = list(frame[frame["event"] == "train"]["step"])
+    assert steps == sorted(set(steps)) and steps[-1] == TRAIN_STEPS  # every logged step once, across the requeue
+    marks = frame[frame["event"] == "requeue"]
+    assert list(marks["step"]) == [step] and list(marks["reason"]) == ["preempted"]
+    assert frame["time"].notna().all() and (frame["elapsed_s"] >= 0).all()
+
+    # Real sacct: one REQUEUED allocation record, then the COMPLETED one.
+    alloc = wait_for(lambda: allocation_rows(train), 60, "sacct to record the end")
+    assert [(r["State"], r["Attempt"]) for r in alloc] == [("REQUEUED", 0), ("COMPLETED", 1)]
+    assert all(r["ElapsedSeconds"] > 0 for r in alloc)
+    assert train.accounting().attrs["requeues"] == 1 and train.requeue_count == 1
+
+    # Re-opened from another working directory by id, through $TAEHV_JOB_DIR-style relative paths.
+    here = os.getcwd()
+    try:
+        os.chdir(jobs.job_dir.parent)
+        attached = JobHandle.attach(train.job_id, jobs.job_dir.name)
+        assert attached.run_dir == Path(jobs.job_dir.name) / "observed"
+        assert attached.last_step() == TRAIN_STEPS and len(attached.requeues) == 1
+        assert "train step 40/40" in attached.tail(30)
+    finally:
+        os.chdir(here)
+
+    status = cli("jobs.status", "--all", cwd=jobs.job_dir.parent, env={"TAEHV_JOB_DIR": jobs.job_dir.name})
+    assert status.returncode == 0, status.stderr
+    row = next(line for line in status.stdout.splitlines() if line.startswith(train.job_id + " "))
+    assert row.split()[1:6] == ["observed", "COMPLETED", "1", "2", f"{TRAIN_STEPS}/{TRAIN_STEPS}"]
+    assert row.split()[6] == "1" and f"requeued at step {step}" in row
+
+    # `jobs.logs --follow`, started while the job ran, followed it across the requeue to its end.
+    assert jobs.follower is not None
+    out, err = jobs.follower.communicate(timeout=60)
+    assert jobs.follower.returncode == 0, err
+    assert out.rstrip().endswith(f"job {train.job_id} ended: COMPLETED")
+    assert f"resumed from step {step}" in out and f"train step {TRAIN_STEPS}/{TRAIN_STEPS}" in out
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = train.plot(jobs.job_dir / "observed.png")
+    dashed = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == "--"]
+    assert [line.get_xdata()[0] for line in dashed] == [step]
+    assert (jobs.job_dir / "observed.png").stat().st_size > 10_000
+
+
+def test_tensorboard_events_of_rank_0(jobs: Jobs) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train = jobs.train
+    assert wait_done(train.job_id, 600) == "COMPLETED"
+    acc = EventAccumulator(str(train.run_dir / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert EXPECTED_TB_TAGS.issubset(tags), tags
+    assert "gpu_memory" not in tags  # CPU ranks: the trainer writes no GPU memory value
+    assert {"val/psnr", "val/loss"} <= tags
+    frame = train.metrics()
+    logged = list(frame[frame["event"] == "train"]["step"])
+    for tag in ("train/loss", "lr", "samples_per_second"):
+        # Both segments' files together: each step once (the resumed writer purged nothing it kept).
+        assert [e.step for e in acc.Scalars(tag)] == logged, tag
+    losses = dict(zip(frame[frame["event"] == "train"]["step"], frame[frame["event"] == "train"]["loss"]))
+    assert all(e.value == pytest.approx(losses[e.step], rel=1e-6) for e in acc.Scalars("train/loss"))
+    assert len(list((train.run_dir / "tb").glob("events.out.tfevents.*"))) == 2  # one per segment
+    assert not list(train.run_dir.glob("*/tb")) and not list(train.run_dir.glob("tb/*/"))  # rank 0 only
+
+
+def test_progress_is_plain_lines_without_a_tty(jobs: Jobs) -> None:
+    train = jobs.train
+    assert wait_done(train.job_id, 600) == "COMPLETED"
+    log = train.log_path(0).read_text()
+    assert "\r" not in log and "it/s" not in log and "step/s" not in log and "%|" not in log
+    lines = re.findall(rf"\[rank 0\] train step (\d+)/{TRAIN_STEPS} ", log)
+    assert [int(s) for s in lines][-1] == TRAIN_STEPS and len(lines) >= TRAIN_STEPS // 2
+    assert "train step" not in train.log_path(1).read_text()  # rank 1 shows no progress
+
+    # The same writer under a terminal draws a tqdm bar instead.
+    code = ("import sys, pathlib, tempfile; from trainer.train import MetricsWriter;"
+            "w = MetricsWriter(pathlib.Path(tempfile.mkdtemp()), 0, True, 4);"
+            "[w.write(s, {'loss': 1.0 / s}) for s in range(1, 5)]; w.close(); print('DONE')")
+    parent, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 0-column terminal hides the bar
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=child, stdout=child, stderr=child, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, close_fds=True)
+    os.close(child)
+    chunks = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([parent], [], [], 1)
+        if ready:
+            try:
+                data = os.read(parent, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(parent)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert "DONE" in shown and "\rtrain: 100%|" in shown and "4/4" in shown, shown[-2000:]
+    assert "train step" not in shown
+
+
+# ------------------------------------------------------------------------------------------ sweep
+
+
+def test_sweep_cli_submits_one_job_array(jobs: Jobs) -> None:
+    ids = sweep_ids(jobs)
+    assert len(ids) == 2 and ids[0].split("_")[0] == ids[1].split("_")[0]  # one array: A_0, A_1
+    assert "sweep of 2 runs (one job array)" in jobs.sweep_cli.stdout
+    for job_id in ids:
+        assert wait_done(job_id, 600) == "COMPLETED", JobHandle.attach(job_id, jobs.job_dir).tail(60)
+    frame = runs_frame(ids, job_dir=jobs.job_dir)
+    assert {"job_id", "run", "optim.lr", "loss", "step"} <= set(frame.columns)
+    assert sorted(frame["optim.lr"].unique()) == list(LRS)
+    train = frame[frame["event"] == "train"]
+    assert sorted(train.groupby("optim.lr")["step"].max()) == [6, 6]
+    peak = train.groupby("optim.lr")["lr"].max()  # the schedule of each run follows its swept lr
+    assert peak[LRS[1]] == pytest.approx(2 * peak[LRS[0]])
+    final = runs_frame(ids, job_dir=jobs.job_dir, final=True)
+    assert len(final) == 2 and list(final["optim.lr"]) == list(LRS) and list(final["step"]) == [6, 6]
+    assert set(final["run"]) == {"lr-sweep/lr=0.0001", "lr-sweep/lr=0.0002"}
+
+    status = cli("jobs.status", *ids, "--job-dir", str(jobs.job_dir))
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert "optim.lr" in lines[0] and len(lines) == 3
+    assert all("COMPLETED" in line and "6/6" in line for line in lines[1:])
+    assert "0.0001" in lines[1] and "0.0002" in lines[2]
+    registry = registry_frame(jobs.job_dir)
+    assert set(registry[registry["job_id"].isin(ids)]["optim.lr"]) == set(LRS)
+
+
+# --------------------------------------------------------------------------------------- registry
+
+
+def test_registry_lists_every_run_with_masked_secrets(jobs: Jobs) -> None:
+    sweep_ids(jobs)
+    text = (jobs.job_dir / "registry.jsonl").read_text()
+    assert SECRET not in text
+    records = [json.loads(line) for line in text.splitlines()]
+    runs = {r["run"]: r for r in records}
+    assert set(runs) == {"observed", "doomed", "crash", "lr-sweep/lr=0.0001", "lr-sweep/lr=0.0002"}
+    observed = runs["observed"]
+    assert observed["cluster"]["env"] == {"WANDB_API_KEY": "***", "TAEHV_NOTE": "public"}
+    assert observed["train"]["steps"] == TRAIN_STEPS and observed["plan"]["world_size"] == 2
+    assert all(not Path(r["run"]).is_absolute() for r in records)  # relative to job_dir: relocatable
+    assert SECRET not in (jobs.train.run_dir / "submitit").joinpath(f"{jobs.train.job_id}_submission.sh").read_text()
+    table = JobHandle.registry(jobs.job_dir)
+    assert set(table["run"]) == set(runs) and table["job_id"].is_unique
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("command", [["jobs.status", "999999"], ["jobs.logs", "999999"], ["jobs.cancel", "999999"],
+                                     ["jobs.logs", "999999", "--follow"]])
+def test_unknown_job_id_is_one_line_exit_2(jobs: Jobs, command: list[str]) -> None:
+    out = cli(*command, "--job-dir", str(jobs.job_dir), timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: no job 999999 in ")
+    assert "latest: " in out.stderr
+
+
+def test_bad_rank_and_empty_job_dir_are_one_line_errors(jobs: Jobs, tmp_path: Path) -> None:
+    out = cli("jobs.logs", jobs.crash.job_id, "--rank", "3", "--job-dir", str(jobs.job_dir), timeout=60)
+    assert out.returncode == 2 and out.stderr == f"error: job {jobs.crash.job_id} has ranks 0..0; --rank 3 does not exist\n"
+    out = cli("jobs.status", "42", "--job-dir", str(tmp_path), timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "lists no runs" in out.stderr
+    out = cli("jobs.status", "--job-dir", str(tmp_path), timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("no runs in ")
