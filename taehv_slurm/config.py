@@ -20,7 +20,9 @@ from typing import Any, Literal, Union
 
 import yaml
 
-_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.I)
+# Env names treated as secrets even when not listed in secret_env: *TOKEN*, *SECRET*, *PASSWORD*, *_PASS,
+# *APIKEY*, *API_KEY*, *ACCESS_KEY*, *PRIVATE_KEY*, *CREDENTIAL*, and names ending in KEY (WANDB_KEY).
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|(^|_)PASS$|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|(^|_)KEY$)", re.I)
 
 
 class ConfigError(ValueError):

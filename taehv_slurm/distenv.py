@@ -268,6 +268,11 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
     import torch
     import torch.distributed as dist
 
+    if not 0 <= env.rank < env.world_size or not 0 <= env.local_rank < env.local_world_size:
+        raise DistributedSetupError(
+            f"rank {env.rank} (local {env.local_rank}) is outside world size {env.world_size} "
+            f"(local {env.local_world_size}): the launcher's RANK/WORLD_SIZE variables disagree; check how ranks are started"
+        )
     os.environ.update(env.torchrun_environ())  # DeepSpeed and other libraries read these
     if use_cuda is None:
         use_cuda = backend == "nccl" or (backend in (None, "auto") and torch.cuda.is_available())

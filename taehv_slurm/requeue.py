@@ -58,7 +58,9 @@ class EventLog:
 
     def write(self, event: str, **fields: Any) -> None:
         line = json.dumps({"event": event, "time": time.time(), **fields}, default=str)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        # Owner-only, or group-readable where the cluster config shares runs with a group.
+        mode = 0o640 if os.environ.get("TAEHV_SHARED_GROUP") else 0o600
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
         try:
             os.write(fd, (line + "\n").encode())  # one write of one line: appends do not interleave
             os.fsync(fd)

@@ -211,35 +211,76 @@ class DeepSpeedEngine(Engine):
         return {"params": params, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "optimizer_step": max(steps, default=0)}
 
     def load_full_state(self, state: dict[str, Any]) -> None:
+        import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         _check_names(self.named_parameters(), state["params"])
         have_moments = bool(state["exp_avg"])
-        if have_moments and not any(self._base_optimizer().state.values()):
-            self._initialize_optimizer_state()
+        if have_moments:
+            # AdamW creates its moments at the first step; DeepSpeed maps each parameter to its slice of
+            # them only then too. Do both now so the saved moments have somewhere to go.
+            if not any(self._base_optimizer().state.values()):
+                self._create_optimizer_state()
+            link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+            if link is not None:
+                link()
+        set_param = self._set_zero3 if self.stage == 3 else (lambda p, v, key: safe_set_full_fp32_param(p, v))
+        set_state = self._set_zero3 if self.stage == 3 else safe_set_full_optimizer_state
         for name, p in self.named_parameters():
-            safe_set_full_fp32_param(p, state["params"][name].to(self.device))
+            set_param(p, state["params"][name].to(self.device), None)
             if have_moments and name in state["exp_avg"]:
-                safe_set_full_optimizer_state(p, state["exp_avg"][name].to(self.device), "exp_avg")
-                safe_set_full_optimizer_state(p, state["exp_avg_sq"][name].to(self.device), "exp_avg_sq")
+                set_state(p, state["exp_avg"][name].to(self.device), "exp_avg")
+                set_state(p, state["exp_avg_sq"][name].to(self.device), "exp_avg_sq")
         for s in self._base_optimizer().state.values():
             if "step" in s:
                 s["step"] = torch.full_like(s["step"], float(state["optimizer_step"])) if torch.is_tensor(s["step"]) else state["optimizer_step"]
+        # The setters above write the fp32 master copy; the model's own weights follow it only at the
+        # next optimizer step, so copy them now or the first forward after a resume uses stale ones.
+        params = dict(self.named_parameters())
+        if self.stage == 3:
+            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
+                for name, p in params.items():
+                    p.data.copy_(state["params"][name].to(p.device, p.dtype))
+        else:
+            self.optimizer.update_lp_params()
 
-    def _initialize_optimizer_state(self) -> None:
-        # torch's AdamW creates its state on the first step; one step at lr 0 with zero gradients
-        # creates it without changing any weight, so the saved moments have somewhere to go.
+    def _set_zero3(self, param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+        """This rank's slice of a full tensor into ZeRO-3's fp32 partition (key None) or its AdamW state.
+
+        DeepSpeed's own setter (0.19) slices the full tensor without the partition padding, so a small
+        tensor split over more ranks than it has elements (a bias of 3 over 4 ranks) fails; this pads.
+        """
+        part, _ = self.optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+        start = part.numel() * self.optimizer._get_param_partition_rank(param)
+        flat = value.flatten()
+        count = max(0, min(part.numel(), flat.numel() - start))
+        with torch.no_grad():
+            part.zero_()
+            if count:
+                part[:count].copy_(flat[start:start + count])
+
+    def _create_optimizer_state(self) -> None:
+        """torch's AdamW creates its state at the first step: one step at lr 0 with zero gradients
+        creates it without changing a weight (weight decay is scaled by lr too)."""
         base = self._base_optimizer()
         saved = [g["lr"] for g in base.param_groups]
         for g in base.param_groups:
             g["lr"] = 0.0
-            for p in g["params"]:
-                p.grad = torch.zeros_like(p)
-        base.step()
+        if self.stage == 3:  # ZeRO-3 hands AdamW one flat fp32 partition per sub-group at a time
+            for i, flat in enumerate(self.optimizer.fp32_partitioned_groups_flat):
+                flat.grad = torch.zeros_like(flat)
+                self.optimizer._optimizer_step(i)
+                flat.grad = None
+        else:
+            for g in base.param_groups:
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+            base.step()
+            for g in base.param_groups:
+                for p in g["params"]:
+                    p.grad = None
         for g, lr in zip(base.param_groups, saved):
             g["lr"] = lr
-            for p in g["params"]:
-                p.grad = None
 
 
 def _check_names(named: list[tuple[str, nn.Parameter]], stored: dict[str, torch.Tensor]) -> None:
