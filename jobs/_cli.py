@@ -18,6 +18,17 @@ def resolve(path: str | None) -> str | None:
     return str(candidate) if candidate.exists() else path
 
 
+def cluster_flag_overrides(args, cluster_over: dict) -> dict:
+    """Fold the shortcut flags --nodes/--gpus-per-node/--partition/--time-min into cluster overrides."""
+    for key, value in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node),
+                       ("partition", args.partition), ("time_min", args.time_min)):
+        if value is not None:
+            cluster_over[key] = value
+    if args.gpus_per_node is not None and "tasks_per_node" not in cluster_over:
+        cluster_over["tasks_per_node"] = args.gpus_per_node or 1  # one task per GPU
+    return cluster_over
+
+
 def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
     """Print known user errors as `error: ...` and exit 2; everything else keeps its traceback."""
 

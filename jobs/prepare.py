@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs._cli import one_line_errors, resolve
+from jobs._cli import cluster_flag_overrides, one_line_errors, resolve
 from taehv_slurm.config import ClusterConfig, ConfigError, load_cluster, parse_set_args, split_overrides
 from taehv_slurm.executor import sbatch_preview
 from taehv_slurm.handle import JobHandle, submit
@@ -86,12 +86,7 @@ def load_cluster_for(args: argparse.Namespace) -> ClusterConfig:
     if train_over:
         raise ConfigError(f"--set {next(iter(train_over))}: jobs.prepare takes cluster keys only; "
                           "clip and teacher settings are flags (--frames, --teacher-path, ...)")
-    for key, value in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node),
-                       ("partition", args.partition), ("time_min", args.time_min)):
-        if value is not None:
-            cluster_over[key] = value
-    if args.gpus_per_node is not None and "tasks_per_node" not in cluster_over:
-        cluster_over["tasks_per_node"] = args.gpus_per_node or 1
+    cluster_flag_overrides(args, cluster_over)
     if args.local and args.cluster:
         cluster_over.setdefault("backend", "local")
     cluster = load_cluster(resolve(args.cluster or (LOCAL_CLUSTER if args.local else DEFAULT_CLUSTER)), **cluster_over)

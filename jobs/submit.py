@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from jobs._cli import one_line_errors, resolve
+from jobs._cli import cluster_flag_overrides, one_line_errors, resolve
 from taehv_slurm.config import ConfigError, load_cluster, load_train, parse_set_args, split_overrides
 from taehv_slurm.executor import sbatch_preview
 from taehv_slurm.plan import plan_for
@@ -56,12 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_configs(args: argparse.Namespace):
     overrides = parse_set_args(args.set)
     cluster_over, train_over = split_overrides(overrides)
-    for key, value in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node),
-                       ("partition", args.partition), ("time_min", args.time_min)):
-        if value is not None:
-            cluster_over[key] = value
-    if args.gpus_per_node is not None and "tasks_per_node" not in cluster_over:
-        cluster_over["tasks_per_node"] = args.gpus_per_node or 1
+    cluster_flag_overrides(args, cluster_over)
     cluster_path = resolve(args.cluster or (LOCAL_CLUSTER if args.local else DEFAULT_CLUSTER))
     if args.local and args.cluster:
         cluster_over.setdefault("backend", "local")

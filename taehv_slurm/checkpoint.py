@@ -103,11 +103,11 @@ class Checkpointer:
                 json.dump(meta, f, indent=1, default=str)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._point_latest(final.name)
         except (OSError, RuntimeError) as err:  # torch's zip writer wraps ENOSPC in a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
@@ -128,7 +128,7 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.directory / "latest")
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def _prune(self) -> None:
         steps = self.steps()
@@ -185,19 +185,6 @@ class Checkpointer:
         return step, state, meta
 
 
-def to_cpu(state: Any) -> Any:
-    """A copy of `state` with every tensor on the CPU (the copy an asynchronous save needs)."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, Mapping):
-        return {k: to_cpu(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(to_cpu(v) for v in state)
-    return state
-
-
 def _load_failure(err: BaseException) -> str:
     """Why torch.load(weights_only=True) failed, in one line and never suggesting weights_only=False."""
     text = str(err)
@@ -220,7 +207,8 @@ def _os_cause(err: BaseException) -> str:
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in `path` durable (the folder entry itself is fsynced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

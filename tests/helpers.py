@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,3 +79,18 @@ def assert_identical(a: dict, b: dict, what: str = "state") -> None:
             assert torch.equal(a[key], b[key]), f"{what}.{key} differs (max {float((a[key] - b[key]).abs().max())})"
         else:
             assert a[key] == b[key], f"{what}.{key}: {a[key]!r} != {b[key]!r}"
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, options: str) -> Iterator[Path]:
+    """A real small (or read-only) filesystem at `mount` for the test's duration; needs root."""
+    import pytest
+
+    mount.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs ({options}) for this test (needs root): {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

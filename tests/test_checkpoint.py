@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from taehv_slurm.checkpoint import Checkpointer, CheckpointError
+from tests.helpers import mounted_tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,15 +113,8 @@ def test_sigkill_at_random_instants_never_leaves_a_partial_latest(tmp_path: Path
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.fail(f"cannot mount a small tmpfs for the disk-full test (needs root): {result.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "size=3m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_disk_full_keeps_the_previous_latest(small_disk: Path) -> None:

@@ -25,7 +25,7 @@ from jobs.launch import choose_ranks
 from taehv_slurm.checkpoint import Checkpointer, CheckpointError
 from taehv_slurm.distenv import DistributedSetupError
 from taehv_slurm.picklecheck import UnpicklableTaskError, check_picklable
-from tests.helpers import tiny_train
+from tests.helpers import mounted_tmpfs, tiny_train
 from tests.videos import write_garbage, write_video
 from trainer.data import ClipSpec, VideoFolderClips
 
@@ -57,15 +57,8 @@ def cli(module: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -
 @pytest.fixture
 def read_only(tmp_path: Path) -> Iterator[Path]:
     """A real read-only filesystem (tmpfs mounted ro): even root cannot write there."""
-    mount = tmp_path / "ro"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.fail(f"cannot mount a read-only tmpfs (needs root): {result.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 # ------------------------------------------------------------------------------------- configs

@@ -45,6 +45,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from taehv_slurm.checkpoint import fsync_dir
 from taehv_slurm.config import ConfigError
 
 if TYPE_CHECKING:
@@ -308,7 +309,7 @@ def write_shard(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappi
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def shard_metadata(shard: int, stored: Sequence[int], rows: Sequence[tuple[str, int]], failed: Sequence[Sequence[Any]],
@@ -744,7 +745,7 @@ def _write_atomic(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _write_csv(path: Path, header: Sequence[str], rows: Any) -> None:
@@ -755,11 +756,3 @@ def _write_csv(path: Path, header: Sequence[str], rows: Any) -> None:
     writer.writerow(header)
     writer.writerows(rows)
     _write_atomic(path, buf.getvalue())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
