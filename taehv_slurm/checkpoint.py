@@ -40,7 +40,7 @@ class Checkpointer:
     """Save and load checkpoints under `directory`, keeping the last `keep` of them.
 
     `save(..., blocking=False)` returns as soon as the state is handed to a writer thread; the state
-    must already be off the GPU (see `to_cpu`). A later save, `wait()` or `close()` waits for it.
+    must already be off the GPU and not change afterwards (the trainer hands over fresh CPU copies). A later save, `wait()` or `close()` waits for it.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int = 3, group: str | None = None,
