@@ -19,13 +19,14 @@ def resolve(path: str | None) -> str | None:
 
 
 def cluster_flag_overrides(args, cluster_over: dict) -> dict:
-    """Fold the shortcut flags --nodes/--gpus-per-node/--partition/--time-min into cluster overrides."""
-    for key, value in (("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node),
-                       ("partition", args.partition), ("time_min", args.time_min)):
-        if value is not None:
-            cluster_over[key] = value
-    if args.gpus_per_node is not None and "tasks_per_node" not in cluster_over:
-        cluster_over["tasks_per_node"] = args.gpus_per_node or 1  # one task per GPU
+    """Fold the shortcut flags --nodes/--gpus-per-node/--partition/--time-min (those a CLI has) into
+    cluster overrides."""
+    for key in ("nodes", "gpus_per_node", "partition", "time_min"):
+        if getattr(args, key, None) is not None:
+            cluster_over[key] = getattr(args, key)
+    gpus = getattr(args, "gpus_per_node", None)
+    if gpus is not None and "tasks_per_node" not in cluster_over:
+        cluster_over["tasks_per_node"] = gpus or 1  # one task per GPU
     return cluster_over
 
 

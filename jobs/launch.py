@@ -93,18 +93,20 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------- configs
 
 
-def load_configs(args: argparse.Namespace, ranks_per_node: int, device: str) -> tuple[ClusterConfig, TrainConfig]:
-    """The cluster config shaped for this node (ranks, device) and the train config, with --set applied."""
+def read_configs(args: argparse.Namespace) -> tuple[ClusterConfig, TrainConfig]:
+    """The cluster and train configs with --set applied (the cluster not yet shaped for this node)."""
     cluster_over, train_over = split_overrides(parse_set_args(args.set))
     if "nodes" in cluster_over:
         raise ConfigError("--set nodes: on a platform the number of nodes is WORLD_SIZE; remove --set nodes")
-    path = resolve(args.cluster)
-    base = load_cluster(path, **cluster_over)
+    return load_cluster(resolve(args.cluster), **cluster_over), load_train(resolve(args.train), **train_over)
+
+
+def for_node(base: ClusterConfig, ranks_per_node: int, device: str, source: str) -> ClusterConfig:
+    """The cluster config shaped for this node: one rank per GPU (gpus_per_node = ranks), or CPU ranks."""
     device = device if device != "auto" else base.device
-    # One rank per GPU: gpus_per_node = ranks, except on CPU ranks (no GPU per rank).
     cluster = dataclasses.replace(base, device=device, tasks_per_node=ranks_per_node,
                                   gpus_per_node=0 if device == "cpu" else ranks_per_node)
-    return cluster.validate(str(path)), load_train(resolve(args.train), **train_over)
+    return cluster.validate(source)
 
 
 def default_run_dir(args: argparse.Namespace, cluster: ClusterConfig, train: TrainConfig) -> Path:
@@ -186,11 +188,9 @@ def launch_node(args: argparse.Namespace, argv: list[str]) -> int:
             raise ConfigError(f"--task {args.task}: no module {module!r} on PYTHONPATH; give MODULE:NAME of a "
                               "callable taking a RunContext")
     gpus = visible_gpus()
-    cluster_over, _ = split_overrides(parse_set_args(args.set))
-    cluster_over.pop("nodes", None)  # load_configs says why it is refused
-    device_setting = load_cluster(resolve(args.cluster), **cluster_over).device
-    ranks, device = choose_ranks(args, device_setting, gpus, node.num_nodes)
-    cluster, train = load_configs(args, ranks, device)
+    base, train = read_configs(args)
+    ranks, device = choose_ranks(args, base.device, gpus, node.num_nodes)
+    cluster = for_node(base, ranks, device, str(resolve(args.cluster)))
     extra = nccl_environ(node.num_nodes, ranks, device, train if args.task == "train" else None, cluster)
     run_dir = make_private_dir(default_run_dir(args, cluster, train).absolute(), cluster.group)
 
@@ -328,7 +328,8 @@ def run_rank(args: argparse.Namespace) -> int:
     from taehv_slurm.requeue import RequeueableTask, StopRequested
 
     env = DistEnv.from_environ()
-    cluster, train = load_configs(args, env.local_world_size, "auto")
+    base, train = read_configs(args)
+    cluster = for_node(base, env.local_world_size, "auto", str(resolve(args.cluster)))
     run_dir = make_private_dir(default_run_dir(args, cluster, train), cluster.group)
     if args.task == "smoke":
         return _run_smoke(args, cluster, env)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jobs._cli import one_line_errors, resolve
+from jobs._cli import cluster_flag_overrides, one_line_errors, resolve
 from taehv_slurm.config import (
     ClusterConfig,
     ConfigError,
@@ -118,12 +118,7 @@ class Preflight:
             self.add("cluster config", "FAIL", str(err))
             self.add("train config", "SKIP", "needs valid --set overrides")
             return
-        cluster_over["nodes"] = args.nodes
-        if args.gpus_per_node is not None:
-            cluster_over["gpus_per_node"] = args.gpus_per_node
-            cluster_over.setdefault("tasks_per_node", args.gpus_per_node or 1)
-        if args.partition:
-            cluster_over["partition"] = args.partition
+        cluster_flag_overrides(args, cluster_over)
         try:
             self.cluster = c = load_cluster(resolve(args.cluster), **cluster_over)
             self.add("cluster config", "PASS",

@@ -273,15 +273,13 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         except FileExistsError:
             raise RequeueExit(ctx._exit_code("failure")) from None
-        saved = Checkpointer(ctx.run_dir / "checkpoints").read_meta()
-        stop_reason = self._no_progress_reason(ctx.events.read(), ctx.env.job_id, saved["step"] if saved else 0)
-        if stop_reason is None and len([e for e in ctx.events.read() if e["event"] == "start"
-                                         and e.get("job_id") == ctx.env.job_id]) > self.max_requeues:
-            stop_reason = f"requeue limit reached (max_requeues={self.max_requeues})"
+        # The same guards a restart would apply, now, so a hopeless job is not requeued just to stop.
+        stop_reason = self._refuse_reason(ctx.events.read(), ctx.run_dir, ctx.env.job_id)
         if stop_reason:
             ctx.events.write("stopped", segment=ctx.segment, reason=stop_reason, job_id=ctx.env.job_id)
             print(f"[taehv] not requeueing: {stop_reason}", flush=True)
             raise StopRequested(stop_reason) from err
+        saved = Checkpointer(ctx.run_dir / "checkpoints").read_meta()
         lost = time.time() - max(saved["saved_at"] if saved else 0.0, ctx.start_time)
         ctx.events.write("requeue", segment=ctx.segment, reason="failure", step=saved["step"] if saved else 0,
                          failed_at_step=ctx.step, signal_to_saved_s=None, seconds_lost=round(lost, 1))
