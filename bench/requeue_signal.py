@@ -70,7 +70,8 @@ def main() -> None:
     p.add_argument("--signal-at", type=int, default=15)
     p.add_argument("--ckpt-every", type=int, default=5, help="periodic checkpoints, to time sync and async saves")
     p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   help="torch.compile the model (optionally with a mode, e.g. reduce-overhead)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -83,7 +84,8 @@ def main() -> None:
                      "val_clips": 2, "num_workers": args.workers if on_gpu else 0},
             "model": {} if on_gpu else {"encoder_width": 8, "decoder_widths": [16, 8, 8, 8]},
             "batch": {"effective": 16 if on_gpu else 4, "per_gpu": 8 if on_gpu else 2},
-            "engine": {"kind": "ddp", "compile": args.compile, "precision": "bf16" if on_gpu else "fp32"},
+            "engine": {"kind": "ddp", "compile": args.compile is not None,
+                       "compile_mode": args.compile or "default", "precision": "bf16" if on_gpu else "fp32"},
             "intervals": {"log_every": 1, "val_every": 10_000, "ckpt_every": args.ckpt_every, "keep_checkpoints": 2}}
     runtime = {"device": "cuda" if on_gpu else "cpu", "torch_threads": 4 if on_gpu else 1, "rendezvous_timeout_s": 120}
     results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),

@@ -39,8 +39,8 @@ VARIANTS = {
     "eager_cl": (True, None),
     "compile": (False, "default"),
     "compile_cl": (True, "default"),
+    "compile_cl_graphs": (True, "reduce-overhead"),
     "compile_cl_autotune": (True, "max-autotune-no-cudagraphs"),
-    "compile_cl_graphs": (True, "max-autotune"),
 }
 
 

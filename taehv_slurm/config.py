@@ -219,6 +219,9 @@ class EngineConfig:
     kind: Literal["auto", "ddp", "zero1", "zero2", "zero3"] = "auto"
     precision: Literal["bf16", "fp32"] = "bf16"
     compile: bool = True  # torch.compile the model (CUDA only)
+    # torch.compile mode for the ddp engine: CUDA graphs ("reduce-overhead") measured fastest
+    # (docs/benchmarks.md); DeepSpeed engines always compile in "default" mode.
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "reduce-overhead"
     channels_last: bool = True  # (CUDA only)
     activation_checkpointing: bool = False
 

@@ -22,19 +22,19 @@ from .config import ConfigError, TrainConfig, load_train
 # when parameters + optimizer states do not fit.
 ENGINE_RELATIVE_SPEED = {"ddp": 1.0, "zero1": 0.95, "zero2": 0.93, "zero3": 0.82}
 # Activation memory of one 12×480×720 clip in a bf16 training step (encoder + decoder, forward +
-# backward, torch.compile), measured on H200: peak 49.5 GiB at batch 8 → 6.2 GiB per clip (22.8 GiB
+# backward, torch.compile), measured on H200: peak 35.1 GiB at batch 8 → 4.4 GiB per clip (17.5 GiB
 # at batch 4). Scales with frames × pixels.
-ACTIVATION_GB_PER_REFERENCE_CLIP = 6.2
+ACTIVATION_GB_PER_REFERENCE_CLIP = 4.4
 REFERENCE_CLIP_ELEMENTS = 12 * 480 * 720
 # Activation checkpointing keeps about a third of the activations (the block inputs), measured shape.
 CHECKPOINTED_ACTIVATION_FRACTION = 0.35
 GPU_MEMORY_HEADROOM = 0.9  # leave 10 % for the allocator, NCCL buffers and compile workspaces
 # Raw-video loading, measured on a 16-core H200 host (bench/loader_throughput.py, prepare_throughput.py):
 # one CPU core decodes 6.4 clips/s of 12×480×720 H.264; one loader worker (with its decode threads)
-# delivers ~17 clips/s when 8 run at once. The trainer needs ~50 clips/s per H200 (docs/benchmarks.md).
+# delivers ~17 clips/s when 8 run at once. The trainer needs ~55 clips/s per H200 (docs/benchmarks.md).
 DECODE_CLIPS_PER_CORE = 6.4
 DECODE_CLIPS_PER_WORKER = 17.0
-TRAIN_CLIPS_PER_GPU = 50.0
+TRAIN_CLIPS_PER_GPU = 55.0
 
 NCCL_TIMEOUT_BY_NODES = ((1, 3600), (2, 7200), (8, 14400))  # (from this many nodes, seconds)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainer.model import (
@@ -353,9 +354,10 @@ def test_default_param_count_matches_published_model() -> None:
 
 
 def test_conv_flops_match_flop_counter_on_meta_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Useful FLOPs: the frame-pair first stage and the padded RGB output also multiply zeros (not counted).
-    monkeypatch.setitem(FAST_PATHS, "pair_first_stage", False)
-    monkeypatch.setitem(FAST_PATHS, "pad_rgb_out", False)
+    # Useful FLOPs of the published layers: the training-only reformulations are off here (some multiply
+    # zeros, the folded convs trade a few FLOPs for much less memory traffic).
+    for name in FAST_PATHS:
+        monkeypatch.setitem(FAST_PATHS, name, False)
     cfg = TAEHVConfig()
     analytic = conv_flops_per_clip(cfg, 12, 480, 720)
     with torch.device("meta"):
@@ -391,14 +393,28 @@ def _published_order(stack, x, n):
     return x
 
 
+ODD_SHAPE = TAEHVConfig(encoder_width=8, decoder_widths=(16, 8, 8, 8), patch_size=2,
+                        encoder_time_downscale=(False, True, True), decoder_time_upscale=(True, False, True),
+                        decoder_space_upscale=(True, False, True))
+
+
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
-def test_training_path_matches_the_published_formulation(memory_format: torch.memory_format) -> None:
-    """The training path (TGrow before each upsample, a cheap upsample backward, MemBlocks without the
-    concat copy, the first encoder stage on frame pairs) computes what the published block order
-    computes — outputs and every gradient."""
+@pytest.mark.parametrize("config", [TAEHVConfig(encoder_width=8, decoder_widths=(16, 8, 8, 8)), ODD_SHAPE],
+                         ids=["default-shape", "odd-shape"])
+@pytest.mark.parametrize("fast_paths", [{}, {"fold_linear": False, "split_memblock": True}, {"phase_head": False},
+                                        {"pair_first_stage": False, "pad_rgb_out": False}],
+                         ids=["defaults", "unfolded-split", "no-phase-head", "no-pairs-no-pad"])
+def test_training_path_matches_the_published_formulation(memory_format: torch.memory_format, config: TAEHVConfig,
+                                                         fast_paths: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training path (TGrow before each upsample, a cheap upsample backward, linear runs folded into
+    one conv, the RGB head on phases, MemBlocks without the concat copy, the first encoder stage on
+    frame pairs) computes what the published block order computes — outputs and every gradient."""
+    for name, on in fast_paths.items():
+        monkeypatch.setitem(FAST_PATHS, name, on)
     torch.manual_seed(0)
-    model = TAEHV(TAEHVConfig(encoder_width=8, decoder_widths=(16, 8, 8, 8))).double().to(memory_format=memory_format)
+    model = TAEHV(config).double().to(memory_format=memory_format)
     x = torch.rand(2, 8, 3, 32, 48, dtype=torch.double)
+    patch = config.patch_size
     results = []
     for path in ("ours", "published"):
         xi = x.clone().requires_grad_(True)
@@ -407,9 +423,9 @@ def test_training_path_matches_the_published_formulation(memory_format: torch.me
             z = model.encode_video(xi)
             out = model.decode_video(z, clamp=False)
         else:
-            flat = _published_order(model.encoder, xi.reshape(16, 3, 32, 48), 2)
+            flat = _published_order(model.encoder, F.pixel_unshuffle(xi.reshape(16, 3, 32, 48), patch), 2)
             z = flat.reshape(2, -1, *flat.shape[1:])
-            flat = _published_order(model.decoder, z.reshape(-1, *z.shape[2:]), 2)
+            flat = F.pixel_shuffle(_published_order(model.decoder, z.reshape(-1, *z.shape[2:]), 2), patch)
             out = flat.reshape(2, -1, *flat.shape[1:])[:, model.frames_to_trim:]
         (out.square().sum() + z.sum()).backward()
         results.append([z.detach(), out.detach(), xi.grad] + [p.grad.clone() for p in model.parameters()])

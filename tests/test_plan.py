@@ -91,7 +91,7 @@ def test_plan_is_pure_and_cpu_plans_have_no_nccl(real) -> None:
 def test_raw_video_that_cannot_keep_up_is_flagged(real) -> None:
     video = load_train(real.to_dict(), **{"data.source": "video", "data.path": "videos"})
     plan = plan_for(1, 8, video, cpus_per_task=2)  # a 16-core node with 8 GPUs
-    assert plan.notes and "≈8 CPU cores per GPU" in plan.notes[0] and "jobs.prepare" in plan.notes[0]
+    assert plan.notes and "≈9 CPU cores per GPU" in plan.notes[0] and "jobs.prepare" in plan.notes[0]
     assert "note" in plan.table()
     assert plan_for(1, 8, video, cpus_per_task=12).notes == []  # 12 cores per GPU decode fast enough
     assert plan_for(1, 8, real, cpus_per_task=2).notes == []  # prepared shards: nothing to flag

@@ -73,7 +73,8 @@ class DDPEngine(Engine):
     kind = "ddp"
 
     def __init__(self, module: DistillModule, device: torch.device, precision: str, grad_clip: float,
-                 lr: float, betas: tuple[float, float], weight_decay: float, compile: bool) -> None:
+                 lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
+                 compile_mode: str = "default") -> None:
         super().__init__(module, device, precision, grad_clip)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         params = [p for p in module.parameters() if p.requires_grad]
@@ -86,7 +87,7 @@ class DDPEngine(Engine):
             with torch.no_grad():
                 for p in module.parameters():  # start from rank 0's weights, whatever each rank built
                     dist.broadcast(p.data, src=0)
-        self.forward = torch.compile(module) if compile else module
+        self.forward = torch.compile(module, mode=compile_mode) if compile else module
         self.fused = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=self.fused)
 
@@ -171,7 +172,7 @@ class DeepSpeedEngine(Engine):
                                                              dist_init_required=False)
         module.compute_dtype = torch.bfloat16 if bf16 else None
         if compile and device.type == "cuda" and hasattr(self.ds, "compile"):
-            self.ds.compile()
+            self.ds.compile()  # default mode: ZeRO's hooks run collectives that CUDA graphs cannot capture
 
     def _base_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)
@@ -293,10 +294,10 @@ def _check_names(named: list[tuple[str, nn.Parameter]], stored: dict[str, torch.
 
 def make_engine(kind: str, module: DistillModule, device: torch.device, *, precision: str, grad_clip: float,
                 lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
-                per_gpu_batch: int, grad_accum: int) -> Engine:
+                per_gpu_batch: int, grad_accum: int, compile_mode: str = "default") -> Engine:
     common = dict(lr=lr, betas=betas, weight_decay=weight_decay, compile=compile)
     if kind == "ddp":
-        return DDPEngine(module, device, precision, grad_clip, **common)
+        return DDPEngine(module, device, precision, grad_clip, compile_mode=compile_mode, **common)
     if kind in ("zero1", "zero2", "zero3"):
         return DeepSpeedEngine(module, device, precision, grad_clip, stage=int(kind[-1]),
                                per_gpu_batch=per_gpu_batch, grad_accum=grad_accum, **common)

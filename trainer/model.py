@@ -10,7 +10,9 @@ Differences from the published code, all for training:
 - no in-place activations or clamps (the published ``decode_video`` clamps in place, which zeroes the
   gradient of every pixel outside [0, 1]); ``decode_video(clamp=False)`` returns the raw output;
 - the one cross-frame operation (MemBlock memory) is a single pad on the N×T view that keeps the
-  input's memory format, so channels_last training does not pay for layout conversions.
+  input's memory format, so channels_last training does not pay for layout conversions;
+- exact reformulations that save memory traffic (``FAST_PATHS``): linear chains folded into one conv,
+  the RGB head on a space-to-depth layout, the first stage on frame pairs.
 """
 
 from __future__ import annotations
@@ -118,15 +120,19 @@ class TPool(nn.Module):
         self.conv = nn.Conv2d(channels * stride, channels, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(self.stack_frames(x))
+
+    def stack_frames(self, x: torch.Tensor) -> torch.Tensor:
+        """(N·T)×C×H×W → (N·T/stride)×(stride·C)×H×W, frame k of each group in channel block k."""
         nt, c, h, w = x.shape
         if self.stride > 1 and _is_channels_last(x):
-            # Stack each group's frames on channels in ONE copy that stays channels_last (a plain
-            # reshape copies into NCHW and the next conv copies it back).
+            # ONE copy that stays channels_last (a plain reshape copies into NCHW and the next conv
+            # copies it back).
             nhwc = x.permute(0, 2, 3, 1).reshape(nt // self.stride, self.stride, h, w, c)
             grouped = nhwc.permute(0, 2, 3, 1, 4).reshape(nt // self.stride, h, w, self.stride * c)
-            return self.conv(grouped.permute(0, 3, 1, 2))
+            return grouped.permute(0, 3, 1, 2)
         # Frames of one clip are adjacent in the folded batch, so this groups frames within a clip.
-        return self.conv(x.reshape(nt // self.stride, self.stride * c, h, w))
+        return x.reshape(nt // self.stride, self.stride * c, h, w)
 
 
 class TGrow(nn.Module):
@@ -138,15 +144,23 @@ class TGrow(nn.Module):
         self.conv = nn.Conv2d(channels, channels * stride, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        nt, c, h, w = x.shape
-        y = self.conv(x)
-        if self.stride > 1 and _is_channels_last(y):
-            # Unstack channel blocks into frames in ONE copy that stays channels_last.
-            nhwc = y.permute(0, 2, 3, 1).reshape(nt, h, w, self.stride, c)
-            frames = nhwc.permute(0, 3, 1, 2, 4).reshape(nt * self.stride, h, w, c)
-            return frames.permute(0, 3, 1, 2)
         # Output channel block k becomes frame k of the group (the published weights assume this).
-        return y.reshape(nt * self.stride, c, h, w)
+        return _unstack_frames(self.conv(x), self.stride)
+
+
+def _unstack_frames(y: torch.Tensor, stride: int, up: int = 1) -> torch.Tensor:
+    """Inverse of stacking: (N·T)×(stride·C·up²)×h×w with channels ordered (frame, c, row phase,
+    column phase) → (N·T·stride)×C×(up·h)×(up·w), in ONE copy that keeps the input's memory format."""
+    nt, _, h, w = y.shape
+    if stride == 1 and up == 1:
+        return y
+    c = y.shape[1] // (stride * up * up)
+    if _is_channels_last(y):
+        nhwc = y.permute(0, 2, 3, 1).reshape(nt, h, w, stride, c, up, up)
+        frames = nhwc.permute(0, 3, 1, 5, 2, 6, 4).reshape(nt * stride, h * up, w * up, c)
+        return frames.permute(0, 3, 1, 2)
+    frames = y.reshape(nt, stride, c, up, up, h, w).permute(0, 1, 2, 5, 3, 6, 4)
+    return frames.reshape(nt * stride, c, h * up, w * up)
 
 
 class _Nearest2x(torch.autograd.Function):
@@ -179,22 +193,115 @@ def _previous_frames(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # Exact reformulations used in training (switchable for benchmarks; tests check each against the
-# published block order): MemBlocks without the concat copy, and the encoder's first stage on frame pairs.
-FAST_PATHS = {"split_memblock": False, "pair_first_stage": True, "pad_rgb_out": True}  # docs/benchmarks.md
+# published block order, outputs and gradients). docs/benchmarks.md has what each one is worth.
+FAST_PATHS = {
+    "split_memblock": False,    # MemBlocks without the concat copy (slower: off)
+    "pair_first_stage": True,   # the encoder's first stage on frame pairs
+    "pad_rgb_out": True,        # the RGB head's outputs padded with zero channels to a multiple of 16
+    "fold_linear": True,        # TPool→conv and TGrow→Upsample→conv each as ONE conv (no upsampled tensor)
+    "phase_head": True,         # the RGB head on the last stage's phase layout (with fold_linear)
+}
+
+
+def _phase_taps(up: int, like: torch.Tensor) -> torch.Tensor:
+    """taps[a, p, o, d] = 1 where row d of a 3×3 kernel (dy = d − 1), applied at output phase a of an
+    image made of ``up``×``up`` phases, reads input phase p at phase-grid row offset o − 1."""
+    taps = torch.zeros(up, up, 3, 3, device=like.device, dtype=like.dtype)
+    for a in range(up):
+        for d in range(3):
+            r = a + d - 1
+            taps[a, r % up, r // up + 1, d] = 1
+    return taps
+
+
+def _like_input(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A composed weight in the input's dtype and memory format (cuDNN picks kernels by both)."""
+    weight = weight.to(x.dtype)
+    return weight.contiguous(memory_format=torch.channels_last) if _is_channels_last(x) else weight
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _upsampled_conv_weight(conv: nn.Conv2d, grow: TGrow, up: int) -> torch.Tensor:
+    """The weight of ONE 3×3 conv on the low-resolution frames that equals TGrow (1×1) → nearest
+    ×``up`` → ``conv`` (3×3, no bias): output channels are (new frame k, out channel, row phase, column
+    phase). A nearest-upsampled image is constant on each up×up cell, so every output phase is a 3×3
+    conv of the low-resolution input. Same FLOPs as the full-resolution conv, but the upsampled tensor
+    (the decoder's largest activation) is never written or read, forward or backward."""
+    with torch.autocast(conv.weight.device.type, enabled=False):  # compose in fp32; one rounding at use
+        weight = _fp32(conv.weight)
+        taps = _phase_taps(up, weight).sum(1)  # [a, o, d]: the input has a single phase
+        w = torch.einsum("ocij,ayi,bxj->oabcyx", weight, taps, taps)
+        grow_w = _fp32(grow.conv.weight).reshape(grow.stride, conv.in_channels, -1)  # block k → frame k
+        w = torch.einsum("oabcyx,kcd->koabdyx", w, grow_w)
+    return w.reshape(-1, grow.conv.in_channels, 3, 3)
+
+
+def _phase_conv_weight(conv: nn.Conv2d, up: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``conv`` (3×3, stride 1) as a conv on the up×up phase layout (space-to-depth): input channels
+    (c, row phase, column phase), output channels (o, row phase, column phase) as pixel_shuffle reads."""
+    with torch.autocast(conv.weight.device.type, enabled=False):
+        weight = _fp32(conv.weight)
+        taps = _phase_taps(up, weight)
+        w = torch.einsum("ocij,apyi,bqxj->oabcpqyx", weight, taps, taps)
+        bias = None if conv.bias is None else _fp32(conv.bias).repeat_interleave(up * up)
+    return w.reshape(conv.out_channels * up * up, conv.in_channels * up * up, 3, 3), bias
+
+
+def _pooled_conv(pool: TPool, conv: nn.Conv2d, stacked: torch.Tensor) -> torch.Tensor:
+    """TPool's 1×1 conv (no bias) then ``conv`` (no bias) as ONE conv of TPool's stacked frames: the
+    pooled tensor is never stored."""
+    with torch.autocast(conv.weight.device.type, enabled=False):
+        w = torch.einsum("oicd,ij->ojcd", _fp32(conv.weight), _fp32(pool.conv.weight[:, :, 0, 0]))
+    return F.conv2d(stacked, _like_input(w, stacked), stride=conv.stride, padding=conv.padding)
+
+
+def _folds_with_pool(blocks: list[nn.Module], i: int) -> bool:
+    return FAST_PATHS["fold_linear"] and i < len(blocks) and isinstance(blocks[i], nn.Conv2d) \
+        and blocks[i].bias is None
+
+
+def _upscale(block: nn.Module) -> int:
+    return int(block.scale_factor) if isinstance(block, nn.Upsample) else 1  # type: ignore[arg-type]
+
+
+def _is_grow_up_conv(blocks: list[nn.Module], i: int) -> bool:
+    """blocks[i:i+3] is [Upsample or Identity, TGrow, bias-free 3×3 conv] (a decoder stage's tail)."""
+    return (i + 2 < len(blocks) and isinstance(blocks[i], (nn.Upsample, nn.Identity))
+            and isinstance(blocks[i + 1], TGrow) and isinstance(blocks[i + 2], nn.Conv2d)
+            and blocks[i + 2].kernel_size == (3, 3) and blocks[i + 2].bias is None)
+
+
+def _grow_up_conv(blocks: list[nn.Module], i: int, x: torch.Tensor, keep_phases: bool = False) -> torch.Tensor:
+    """Run blocks[i:i+3] (see _is_grow_up_conv) as one low-resolution conv plus one copy that places
+    frames and phases. ``keep_phases`` leaves the up×up phases on the channels (for the phase head)."""
+    up, grow, conv = _upscale(blocks[i]), blocks[i + 1], blocks[i + 2]
+    y = F.conv2d(x, _like_input(_upsampled_conv_weight(conv, grow, up), x), padding=1)
+    return _unstack_frames(y, grow.stride, 1 if keep_phases else up)
 
 
 def _apply_stack(stack: nn.Sequential, x: torch.Tensor, n: int) -> torch.Tensor:
     """Run a stack on (N·T)×C×H×W, all frames at once; the frame count may change at TPool/TGrow.
 
     An [Upsample, TGrow] pair runs as TGrow then Upsample: a bias-free 1×1 conv commutes with nearest
-    upsampling exactly, and at the lower resolution it costs a quarter of the work and memory.
+    upsampling exactly, and at the lower resolution it costs a quarter of the work and memory. With
+    ``fold_linear``, the linear runs TPool→conv and TGrow→Upsample→conv are each one conv.
     """
     blocks = list(stack)
+    fold = FAST_PATHS["fold_linear"]
     i = 0
     while i < len(blocks):
         block = blocks[i]
         if isinstance(block, MemBlock):
             x = block.forward_split(x, n) if FAST_PATHS["split_memblock"] else block(x, _previous_frames(x, n))
+        elif isinstance(block, TPool) and _folds_with_pool(blocks, i + 1):
+            x = _pooled_conv(block, blocks[i + 1], block.stack_frames(x))
+            i += 1
+        elif fold and _is_grow_up_conv(blocks, i):
+            x = _grow_up_conv(blocks, i, x)
+            i += 2
         elif isinstance(block, nn.Upsample):
             if i + 1 < len(blocks) and isinstance(blocks[i + 1], TGrow):
                 x = blocks[i + 1](x)
@@ -204,6 +311,18 @@ def _apply_stack(stack: nn.Sequential, x: torch.Tensor, n: int) -> torch.Tensor:
             x = block(x)
         i += 1
     return x
+
+
+def _rgb_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The decoder's head conv (3×3). Its few output channels suit the tensor cores badly: with
+    ``pad_rgb_out`` the weight gets zero outputs up to a multiple of 16, and the extra channels are
+    dropped (same values, a faster kernel)."""
+    out_channels = weight.shape[0]
+    if FAST_PATHS["pad_rgb_out"] and out_channels % 16:
+        pad = -out_channels % 16
+        weight = F.pad(weight, (0, 0, 0, 0, 0, 0, 0, pad))
+        bias = None if bias is None else F.pad(bias, (0, pad))
+    return F.conv2d(x, _like_input(weight, x), None if bias is None else bias.to(x.dtype), padding=1)[:, :out_channels]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -271,25 +390,28 @@ class TAEHV(nn.Module):
             x = F.pixel_unshuffle(x, self.config.patch_size)
         first_pool = self.encoder[2]
         if FAST_PATHS["pair_first_stage"] and first_pool.stride == 2:
-            z = _apply_stack(self.encoder[3:], self._first_stage_on_pairs(x), n)
+            stacked = self._first_stage_on_pairs(x)
+            if _folds_with_pool(list(self.encoder), 3):
+                z = _apply_stack(self.encoder[4:], _pooled_conv(first_pool, self.encoder[3], stacked), n)
+            else:
+                z = _apply_stack(self.encoder[3:], first_pool.conv(stacked), n)
         else:
             z = _apply_stack(self.encoder, x, n)
         return z.reshape(n, -1, *z.shape[1:])
 
     def _first_stage_on_pairs(self, x: torch.Tensor) -> torch.Tensor:
-        """conv → ReLU → TPool(2) with each pair of frames as one 2×3-channel image: a block-diagonal
-        conv writes both frames' features side by side in the channels, which is exactly the layout the
-        pooling 1×1 conv reads, so the full-resolution frames→channels reshape (a copy of the largest
-        activation) disappears; the 6-channel input also suits the tensor cores better than 3."""
-        conv, pool = self.encoder[0], self.encoder[2]
+        """conv → ReLU → TPool(2)'s frame stacking, with each pair of frames as one 2×3-channel image: a
+        block-diagonal conv writes both frames' features side by side in the channels, which is exactly
+        the layout the pooling 1×1 conv reads, so the full-resolution frames→channels reshape (a copy of
+        the largest activation) disappears; the 6-channel input also suits the tensor cores better."""
+        conv = self.encoder[0]
         zeros = torch.zeros_like(conv.weight)
         weight = torch.cat((torch.cat((conv.weight, zeros), 1), torch.cat((zeros, conv.weight), 1)), 0)
         nt, c, h, w = x.shape
         pairs = x.reshape(nt // 2, 2 * c, h, w)  # frames 2j, 2j+1 are adjacent: a view for NCHW input
         if self.encoder[3].weight.is_contiguous(memory_format=torch.channels_last):
             pairs = pairs.contiguous(memory_format=torch.channels_last)
-        features = F.relu(F.conv2d(pairs, weight, torch.cat((conv.bias, conv.bias)), padding=1))
-        return pool.conv(features)
+        return F.relu(F.conv2d(pairs, weight, torch.cat((conv.bias, conv.bias)), padding=1))
 
     def decode_video(self, z: torch.Tensor, clamp: bool = True) -> torch.Tensor:
         """N×L×latent_channels×h×w → N×(t_upscale·L − frames_to_trim)×3×8h×8w.
@@ -301,15 +423,19 @@ class TAEHV(nn.Module):
             raise ValueError(f"decode_video expects N×L×{self.config.latent_channels}×h×w latents, "
                              f"got shape {tuple(z.shape)}")
         n, length, c, h, w = z.shape
-        if FAST_PATHS["pad_rgb_out"]:
-            # The last conv has 3 output channels, which tensor cores handle badly: pad its weight to
-            # 16 outputs with zeros and keep the first 3 (same values, a faster kernel).
-            x = _apply_stack(self.decoder[:-1], z.reshape(n * length, c, h, w), n)
-            last = self.decoder[-1]
-            pad = (0, 0, 0, 0, 0, 0, 0, 16 - last.out_channels)
-            x = F.conv2d(x, F.pad(last.weight, pad), F.pad(last.bias, pad[-2:]), padding=1)[:, : last.out_channels]
+        x = z.reshape(n * length, c, h, w)
+        blocks, head = list(self.decoder), self.decoder[-1]
+        tail = len(blocks) - 5  # [Upsample, TGrow, conv, ReLU, head]
+        if (FAST_PATHS["fold_linear"] and FAST_PATHS["phase_head"] and _is_grow_up_conv(blocks, tail)
+                and _upscale(blocks[tail]) > 1 and isinstance(blocks[tail + 3], nn.ReLU)):
+            # The last stage's conv leaves its output as up×up phases on the channels and the head runs
+            # on that layout, so no full-resolution 64-channel tensor is ever laid out as pixels; only
+            # the 3-channel result is shuffled into place.
+            up = _upscale(blocks[tail])
+            x = F.relu(_grow_up_conv(blocks, tail, _apply_stack(self.decoder[:tail], x, n), keep_phases=True))
+            x = F.pixel_shuffle(_rgb_conv(x, *_phase_conv_weight(head, up)), up)
         else:
-            x = _apply_stack(self.decoder, z.reshape(n * length, c, h, w), n)
+            x = _rgb_conv(_apply_stack(self.decoder[:-1], x, n), head.weight, head.bias)
         if self.config.patch_size > 1:
             x = F.pixel_shuffle(x, self.config.patch_size)
         x = x.reshape(n, -1, *x.shape[1:])[:, self.frames_to_trim:]

@@ -106,7 +106,7 @@ class Trainer:
         self.engine: Engine = make_engine(
             plan.engine, module, self.device, precision=plan.precision, grad_clip=cfg.optim.grad_clip,
             lr=plan.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
-            compile=cfg.engine.compile and self.device.type == "cuda",
+            compile=cfg.engine.compile and self.device.type == "cuda", compile_mode=cfg.engine.compile_mode,
             per_gpu_batch=plan.per_gpu_batch, grad_accum=plan.grad_accum,
         )
 
