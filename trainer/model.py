@@ -267,15 +267,16 @@ def _upscale(block: nn.Module) -> int:
     return int(block.scale_factor) if isinstance(block, nn.Upsample) else 1  # type: ignore[arg-type]
 
 
-def _is_grow_up_conv(blocks: list[nn.Module], i: int) -> bool:
-    """blocks[i:i+3] is [Upsample or Identity, TGrow, bias-free 3×3 conv] (a decoder stage's tail)."""
-    return (i + 2 < len(blocks) and isinstance(blocks[i], (nn.Upsample, nn.Identity))
+def _folds_grow_up_conv(blocks: list[nn.Module], i: int) -> bool:
+    """With ``fold_linear``: blocks[i:i+3] is [Upsample or Identity, TGrow, bias-free 3×3 conv] (a
+    decoder stage's tail)."""
+    return (FAST_PATHS["fold_linear"] and i + 2 < len(blocks) and isinstance(blocks[i], (nn.Upsample, nn.Identity))
             and isinstance(blocks[i + 1], TGrow) and isinstance(blocks[i + 2], nn.Conv2d)
             and blocks[i + 2].kernel_size == (3, 3) and blocks[i + 2].bias is None)
 
 
 def _grow_up_conv(blocks: list[nn.Module], i: int, x: torch.Tensor, keep_phases: bool = False) -> torch.Tensor:
-    """Run blocks[i:i+3] (see _is_grow_up_conv) as one low-resolution conv plus one copy that places
+    """Run blocks[i:i+3] (see _folds_grow_up_conv) as one low-resolution conv plus one copy that places
     frames and phases. ``keep_phases`` leaves the up×up phases on the channels (for the phase head)."""
     up, grow, conv = _upscale(blocks[i]), blocks[i + 1], blocks[i + 2]
     y = F.conv2d(x, _like_input(_upsampled_conv_weight(conv, grow, up), x), padding=1)
@@ -290,7 +291,6 @@ def _apply_stack(stack: nn.Sequential, x: torch.Tensor, n: int) -> torch.Tensor:
     ``fold_linear``, the linear runs TPool→conv and TGrow→Upsample→conv are each one conv.
     """
     blocks = list(stack)
-    fold = FAST_PATHS["fold_linear"]
     i = 0
     while i < len(blocks):
         block = blocks[i]
@@ -299,7 +299,7 @@ def _apply_stack(stack: nn.Sequential, x: torch.Tensor, n: int) -> torch.Tensor:
         elif isinstance(block, TPool) and _folds_with_pool(blocks, i + 1):
             x = _pooled_conv(block, blocks[i + 1], block.stack_frames(x))
             i += 1
-        elif fold and _is_grow_up_conv(blocks, i):
+        elif _folds_grow_up_conv(blocks, i):
             x = _grow_up_conv(blocks, i, x)
             i += 2
         elif isinstance(block, nn.Upsample):
@@ -426,7 +426,7 @@ class TAEHV(nn.Module):
         x = z.reshape(n * length, c, h, w)
         blocks, head = list(self.decoder), self.decoder[-1]
         tail = len(blocks) - 5  # [Upsample, TGrow, conv, ReLU, head]
-        if (FAST_PATHS["fold_linear"] and FAST_PATHS["phase_head"] and _is_grow_up_conv(blocks, tail)
+        if (FAST_PATHS["phase_head"] and _folds_grow_up_conv(blocks, tail)
                 and _upscale(blocks[tail]) > 1 and isinstance(blocks[tail + 3], nn.ReLU)):
             # The last stage's conv leaves its output as up×up phases on the channels and the head runs
             # on that layout, so no full-resolution 64-channel tensor is ever laid out as pixels; only
