@@ -7,7 +7,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from taehv_slurm.config import ClusterConfig, load_cluster
+
 REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CLUSTER = "configs/cluster/h100_8gpu.yaml"
+LOCAL_CLUSTER = "configs/cluster/local.yaml"
+DEFAULT_TRAIN = "configs/train/taehv.yaml"
 
 
 def resolve(path: str | None) -> str | None:
@@ -28,6 +33,16 @@ def cluster_flag_overrides(args, cluster_over: dict) -> dict:
     if gpus is not None and "tasks_per_node" not in cluster_over:
         cluster_over["tasks_per_node"] = gpus or 1  # one task per GPU
     return cluster_over
+
+
+def load_cluster_from_args(args, cluster_over: dict) -> ClusterConfig:
+    """The cluster config a submitting CLI's flags pick: --cluster, else the local config with --local,
+    else the default; with the shortcut flags and --set applied. --cluster with --local runs that
+    cluster's settings on the local backend."""
+    cluster_flag_overrides(args, cluster_over)
+    if args.local and args.cluster:
+        cluster_over.setdefault("backend", "local")
+    return load_cluster(resolve(args.cluster or (LOCAL_CLUSTER if args.local else DEFAULT_CLUSTER)), **cluster_over)
 
 
 def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jobs._cli import REPO, one_line_errors, resolve
+from jobs._cli import DEFAULT_TRAIN, REPO, one_line_errors, resolve
 from taehv_slurm.config import (
     ClusterConfig,
     ConfigError,
@@ -48,8 +48,7 @@ from taehv_slurm.distenv import LAUNCHER_MARK, DistEnv, DistributedSetupError
 from taehv_slurm.plan import plan_for
 from taehv_slurm.security import make_private_dir
 
-DEFAULT_CLUSTER = "configs/platform/cluster.yaml"
-DEFAULT_TRAIN = "configs/train/taehv.yaml"
+PLATFORM_CLUSTER = "configs/platform/cluster.yaml"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
 PR_SET_PDEATHSIG = 1
 try:  # loaded here, not in the forked child: dlopen after fork can deadlock on the loader's lock
@@ -63,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--train", default=DEFAULT_TRAIN, help=f"training YAML (default {DEFAULT_TRAIN})")
-    p.add_argument("--cluster", default=DEFAULT_CLUSTER,
-                   help=f"runtime settings: device, timeouts, env, job_dir, requeue limits (default {DEFAULT_CLUSTER})")
+    p.add_argument("--cluster", default=PLATFORM_CLUSTER,
+                   help=f"runtime settings: device, timeouts, env, job_dir, requeue limits (default {PLATFORM_CLUSTER})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any cluster or train key, e.g. --set steps=1000 --set env.NCCL_DEBUG=INFO")
     p.add_argument("--gpus-per-node", type=int, help="GPUs to use per node (default: all that torch sees)")

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from jobs._cli import cluster_flag_overrides, one_line_errors, resolve
+from jobs._cli import DEFAULT_CLUSTER, DEFAULT_TRAIN, cluster_flag_overrides, one_line_errors, resolve
 from taehv_slurm.config import (
     ClusterConfig,
     ConfigError,
@@ -38,8 +38,6 @@ from taehv_slurm.config import (
     split_overrides,
 )
 
-DEFAULT_CLUSTER = "configs/cluster/h100_8gpu.yaml"
-DEFAULT_TRAIN = "configs/train/taehv.yaml"
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")  # what trainer.data.VideoFolderClips reads
 # Slurm node states a job can run on (sinfo %T, lower case, flags like '*' or '~' stripped).
 USABLE_STATES = {"idle", "mixed", "allocated", "completing", "planned", "reserved"}

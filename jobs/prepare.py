@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from jobs._cli import cluster_flag_overrides, one_line_errors, resolve
-from taehv_slurm.config import ClusterConfig, ConfigError, load_cluster, parse_set_args, split_overrides
+from jobs._cli import DEFAULT_CLUSTER, LOCAL_CLUSTER, load_cluster_from_args, one_line_errors
+from taehv_slurm.config import ClusterConfig, ConfigError, parse_set_args, split_overrides
 from taehv_slurm.executor import sbatch_preview
 from taehv_slurm.handle import JobHandle, submit
 from taehv_slurm.security import make_private_dir
@@ -43,8 +43,6 @@ from trainer.prepare import (
     verify,
 )
 
-DEFAULT_CLUSTER = "configs/cluster/h100_8gpu.yaml"
-LOCAL_CLUSTER = "configs/cluster/local.yaml"
 SUCCESS = ("COMPLETED", "FINISHED", "DONE")
 
 
@@ -86,10 +84,7 @@ def load_cluster_for(args: argparse.Namespace) -> ClusterConfig:
     if train_over:
         raise ConfigError(f"--set {next(iter(train_over))}: jobs.prepare takes cluster keys only; "
                           "clip and teacher settings are flags (--frames, --teacher-path, ...)")
-    cluster_flag_overrides(args, cluster_over)
-    if args.local and args.cluster:
-        cluster_over.setdefault("backend", "local")
-    cluster = load_cluster(resolve(args.cluster or (LOCAL_CLUSTER if args.local else DEFAULT_CLUSTER)), **cluster_over)
+    cluster = load_cluster_from_args(args, cluster_over)
     if "name" not in cluster_over:  # the Slurm job name: tell preparation jobs from training in squeue
         cluster = dataclasses.replace(cluster, name=f"{cluster.name}-prepare")
     return cluster

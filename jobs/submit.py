@@ -22,14 +22,17 @@ from typing import Any
 
 import yaml
 
-from jobs._cli import cluster_flag_overrides, one_line_errors, resolve
-from taehv_slurm.config import ConfigError, load_cluster, load_train, parse_set_args, split_overrides
+from jobs._cli import (
+    DEFAULT_CLUSTER,
+    DEFAULT_TRAIN,
+    LOCAL_CLUSTER,
+    load_cluster_from_args,
+    one_line_errors,
+    resolve,
+)
+from taehv_slurm.config import ConfigError, load_train, parse_set_args, split_overrides
 from taehv_slurm.executor import sbatch_preview
 from taehv_slurm.plan import plan_for
-
-DEFAULT_CLUSTER = "configs/cluster/h100_8gpu.yaml"
-LOCAL_CLUSTER = "configs/cluster/local.yaml"
-DEFAULT_TRAIN = "configs/train/taehv.yaml"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,15 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_configs(args: argparse.Namespace):
-    overrides = parse_set_args(args.set)
-    cluster_over, train_over = split_overrides(overrides)
-    cluster_flag_overrides(args, cluster_over)
-    cluster_path = resolve(args.cluster or (LOCAL_CLUSTER if args.local else DEFAULT_CLUSTER))
-    if args.local and args.cluster:
-        cluster_over.setdefault("backend", "local")
-    cluster = load_cluster(cluster_path, **cluster_over)
-    train = load_train(resolve(args.train), **train_over)
-    return cluster, train
+    cluster_over, train_over = split_overrides(parse_set_args(args.set))
+    return load_cluster_from_args(args, cluster_over), load_train(resolve(args.train), **train_over)
 
 
 def sweep_grid(items: list[str] | Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
