@@ -228,6 +228,11 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             self._on_failure(ctx, err)
             raise
         stop.disarm()
+        # Finished: a time-limit warning or preemption arriving now has nothing left to save. Python
+        # restores the default action (terminate) as it shuts down, and Slurm would record a completed
+        # run as FAILED; ignored signals stay ignored through shutdown.
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:

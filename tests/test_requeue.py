@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,35 @@ def test_crash_loop_stops_with_a_reason(tmp_path: Path) -> None:
     assert "not requeueing: no progress" in handle.tail(200)
     attached = JobHandle.attach(handle.job_id, tmp_path)
     assert attached.stop_reason == handle.stop_reason and attached.state == "FAILED"
+
+
+# A run that ends within signal_delay_s of its time limit gets USR2 after it has finished; a preemption
+# can come as late. Python restores the default action (terminate) as it shuts down, so such a
+# signal turned a completed job into FAILED. Here the signals keep coming until the process is gone.
+SIGNALLED_AFTER_FINISHING = """
+import os, subprocess, sys, time
+from pathlib import Path
+from taehv_slurm.requeue import RequeueableTask
+
+def train(ctx):
+    ctx.started(0)
+    ctx.finished(0)
+    return "trained"
+
+run_dir = Path(sys.argv[1])
+print(RequeueableTask(train, run_dir)(), flush=True)
+marker = run_dir / "signalled"
+subprocess.Popen(["sh", "-c", f"while kill -USR2 {os.getpid()} && kill -TERM {os.getpid()}; "
+                  f"do touch {marker}; sleep 0.001; done"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+while not marker.exists():
+    time.sleep(0.001)
+"""
+
+
+def test_signals_after_the_run_finished_do_not_fail_the_job(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_AFTER_FINISHING, str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == ["trained"]  # no "caught SIGUSR2 ... saving" for a finished run
+    kinds = [e["event"] for e in EventLog(tmp_path / "run" / "events.jsonl").read()]
+    assert kinds == ["start", "finished"]
