@@ -11,11 +11,7 @@ deliver ≥ 63 clips/s. Decode clips/s per core sets `DECODE_CLIPS_PER_CORE` in 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import socket
 import sys
 import tempfile
 import time
@@ -25,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._record import run_info, write_results  # noqa: E402
 from bench.prepare_throughput import write_h264  # noqa: E402
 from trainer.data import ClipSpec, GlobalOrder, SyntheticClips, VideoFolderClips, step_batches  # noqa: E402
 from trainer.prepare import shard_metadata, shard_path, write_shard  # noqa: E402
@@ -74,9 +71,7 @@ def main() -> None:
     spec = ClipSpec(8, 64, 64) if args.smoke else ClipSpec(12, 480, 720)
     workers = [0, 1] if args.smoke else [int(w) for w in args.workers.split(",")]
     seconds = 1.0 if args.smoke else args.seconds
-    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
-            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "clip": list(vars(spec).values()),
-            "torch": torch.__version__}
+    info = run_info(on_gpu=False, clip=list(vars(spec).values()))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -104,10 +99,7 @@ def main() -> None:
     print(f"{'source':>9} {'workers':>7} {'clips/s':>8} {'per worker':>10} {'workers/GPU for goal':>21}")
     for r in rows:
         print(f"{r['source']:>9} {r['workers']:>7} {r['clips_per_s']:>8} {r['clips_per_s_per_worker']:>10} {r['workers_per_gpu_for_goal']:>21}")
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"loader_throughput{'_smoke' if args.smoke else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, f"loader_throughput{'_smoke' if args.smoke else ''}.json", {"info": info, "rows": rows})
 
 
 if __name__ == "__main__":

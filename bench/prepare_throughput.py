@@ -21,11 +21,8 @@ Results: a table on stdout and JSON under bench/results/ (or --out).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -39,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._record import run_info, write_results  # noqa: E402
 from trainer.data import ClipSpec, SyntheticClips, VideoFolderClips  # noqa: E402
 from trainer.losses import Teacher, load_teacher, teacher_frame_count  # noqa: E402
 from trainer.prepare import (  # noqa: E402
@@ -253,11 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if on_gpu and not torch.cuda.is_available() and "teacher" not in skip:
         sys.exit("error: the teacher benchmark needs a CUDA GPU; run --smoke for the CPU check, or --skip teacher")
     device = torch.device("cuda", 0) if on_gpu and torch.cuda.is_available() else torch.device("cpu")
-    info: dict[str, Any] = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "smoke": args.smoke,
-    }
+    info = run_info(on_gpu=device.type == "cuda", smoke=args.smoke)
     rows: list[dict[str, Any]] = []
     if "teacher" not in skip:
         if args.smoke:  # the tiny random-weight teacher; the default-config VAE only built on meta (no memory)
@@ -285,10 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{info['device']}, torch {info['torch']}, CUDA {info['cuda']}")
     print(table(rows))
     name = "smoke" if args.smoke else str(info["device"]).replace(" ", "_")
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"prepare_throughput_{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, f"prepare_throughput_{name}.json", {"info": info, "rows": rows})
     return 0
 
 

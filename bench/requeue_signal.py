@@ -13,12 +13,10 @@ saves → exit.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -77,6 +75,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    from bench._record import run_info, write_results
+
     on_gpu = torch.cuda.is_available() and not args.smoke
     frames, height, width = (12, 480, 720) if on_gpu else (8, 32, 32)
     base = {"name": "signal-bench", "steps": args.steps, "seed": 0,
@@ -88,9 +88,7 @@ def main() -> None:
                        "compile_mode": args.compile or "default", "precision": "bf16" if on_gpu else "fp32"},
             "intervals": {"log_every": 1, "val_every": 10_000, "ckpt_every": args.ckpt_every, "keep_checkpoints": 2}}
     runtime = {"device": "cuda" if on_gpu else "cpu", "torch_threads": 4 if on_gpu else 1, "rendezvous_timeout_s": 120}
-    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
-               "device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "torch": torch.__version__,
-               "clip": [frames, height, width], "per_gpu_batch": base["batch"]["per_gpu"]}
+    results = run_info(on_gpu, clip=[frames, height, width], per_gpu_batch=base["batch"]["per_gpu"])
     tmp_path = Path(tempfile.mkdtemp(prefix="signal-bench-"))  # kept: the rank logs are worth reading
     print(f"rank logs: {tmp_path}")
     for mode in ("sync", "async"):
@@ -138,10 +136,7 @@ def main() -> None:
     print(json.dumps({"resume": results["resume"]}), flush=True)
     if any(codes):
         print((tmp_path / "resume.rank0.log").read_text()[-3000:])
-    out = Path(args.out) if args.out else REPO / "bench" / "results" / f"requeue_signal_{'smoke' if args.smoke else 'gpu'}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, f"requeue_signal_{'smoke' if args.smoke else 'gpu'}.json", results)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,8 @@ on the same GPU at the start. Results: a table on stdout and JSON under bench/re
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import socket
 import sys
 import time
 from pathlib import Path
@@ -29,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._record import run_info, write_results  # noqa: E402
 from trainer.engine import make_engine  # noqa: E402
 from trainer.losses import DistillModule  # noqa: E402
 from trainer.model import FAST_PATHS, TAEHV, TAEHVConfig, conv_flops_per_clip  # noqa: E402
@@ -188,15 +186,8 @@ def main() -> None:
         torch.backends.cudnn.benchmark = True
     flops = train_flops_per_clip(TAEHVConfig(), args.frames, args.height, args.width)
     peak = bf16_peak_tflops(device) if on_gpu else float("nan")
-    info = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "host": socket.gethostname(),
-        "device": torch.cuda.get_device_name(0) if on_gpu else platform.processor() or "cpu",
-        "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None,
-        "clip": [args.frames, args.height, args.width], "train_tflop_per_clip": flops / 1e12,
-        "bf16_matmul_tflops": peak, "fast_paths": dict(FAST_PATHS),
-    }
+    info = run_info(on_gpu, clip=[args.frames, args.height, args.width], train_tflop_per_clip=flops / 1e12,
+                    bf16_matmul_tflops=peak, fast_paths=dict(FAST_PATHS))
     print(json.dumps(info), flush=True)
     rows = []
     if args.gpus == 1 and any(e != "ddp" for e in args.engines.split(",")):
@@ -240,11 +231,8 @@ def main() -> None:
             mfu = f"{100 * r['mfu']:.0f}%" if r.get("mfu") else "-"
             print(f"{r['gpus']:>4} {r['engine']:>6} {r['variant']:>22} {r['batch']:>5} {r['clips_per_s_per_gpu']:>11.1f} "
                   f"{r['peak_gib']:>8.1f} {mfu:>5}")
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / (
-        f"train_throughput_{'smoke' if args.smoke else info['device'].replace(' ', '_')}_{args.gpus}gpu.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    name = "smoke" if args.smoke else info["device"].replace(" ", "_")
+    write_results(args.out, f"train_throughput_{name}_{args.gpus}gpu.json", {"info": info, "rows": rows})
 
 
 if __name__ == "__main__":

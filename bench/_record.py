@@ -1,0 +1,43 @@
+"""What every benchmark records beside its figures, and where it writes them.
+
+Each result file carries the machine and the versions it ran with (device, torch, CUDA, cuDNN, NCCL,
+date), so a figure in docs/benchmarks.md can always be traced to where it was measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_info(on_gpu: bool, **extra: Any) -> dict[str, Any]:
+    """The machine, versions and date of this run; `extra` adds the benchmark's own settings."""
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "device": torch.cuda.get_device_name(0) if on_gpu else platform.processor() or platform.machine() or "cpu",
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None,
+        **extra,
+    }
+
+
+def write_results(out: str | None, default_name: str, payload: dict[str, Any]) -> Path:
+    """Write `payload` as JSON to `out`, or to bench/results/`default_name`; prints the path."""
+    path = Path(out) if out else RESULTS / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {path}")
+    return path
