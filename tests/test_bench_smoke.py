@@ -13,12 +13,19 @@ from pathlib import Path
 from tests.helpers import REPO
 
 
-def test_prepare_throughput_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "prepare.json"
-    run = subprocess.run([sys.executable, "bench/prepare_throughput.py", "--smoke", "--out", str(out)],
-                         capture_output=True, text=True, cwd=REPO, timeout=300)
+def run_smoke(script: str, out: Path, timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict]:
+    run = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out)],
+                         capture_output=True, text=True, cwd=REPO, timeout=timeout)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert f"wrote {out}" in run.stdout
     result = json.loads(out.read_text())
+    info = result.get("info", result)
+    assert info["torch"] and info["date"] and info["device"]  # every figure names where it was measured
+    return run, result
+
+
+def test_prepare_throughput_smoke(tmp_path: Path) -> None:
+    run, result = run_smoke("prepare_throughput.py", tmp_path / "prepare.json")
     assert result["info"]["default_vae_parameters"] == 246_478_803  # the GPU mode's teacher: default config
     sections = {row["section"]: row for row in result["rows"]}
     assert set(sections) == {"teacher", "decode", "read"}
@@ -27,4 +34,29 @@ def test_prepare_throughput_smoke(tmp_path: Path) -> None:
     assert [row["batch"] for row in teacher] == [1, 2] and all(row["clips_per_s"] > 0 for row in teacher)
     assert teacher[0]["teacher_frames"] == 5 and teacher[0]["window_frames"] == 8  # 1 + 4k frames of a 4L window
     assert sections["decode"]["clips_per_s"] > 0 and sections["read"]["clips_per_s"] > 0
-    assert "clips per CPU-second" in run.stdout and f"wrote {out}" in run.stdout
+    assert "clips per CPU-second" in run.stdout
+
+
+def test_train_throughput_smoke(tmp_path: Path) -> None:
+    _, result = run_smoke("train_throughput.py", tmp_path / "train.json")
+    assert result["info"]["train_tflop_per_clip"] > 0
+    assert [(row["variant"], row["engine"]) for row in result["rows"]] == [("eager", "ddp")]
+    assert all(row["clips_per_s_per_gpu"] > 0 for row in result["rows"])
+
+
+def test_loader_throughput_smoke(tmp_path: Path) -> None:
+    _, result = run_smoke("loader_throughput.py", tmp_path / "loader.json")
+    assert [row["workers"] for row in result["rows"] if row["source"] == "video"] == [0, 1]
+    assert all(row["clips_per_s"] > 0 and row["workers_per_gpu_for_goal"] > 0 for row in result["rows"])
+
+
+def test_requeue_signal_smoke(tmp_path: Path) -> None:
+    # Two CPU ranks train, get SIGTERM at step 15, save and exit; the run resumes on one rank.
+    _, result = run_smoke("requeue_signal.py", tmp_path / "signal.json", timeout=600)
+    for mode in ("sync", "async"):
+        assert result[mode]["exit_codes"] == [0, 0], result[mode]
+        assert result[mode]["saved_step"] >= 15
+    resume = result["resume"]
+    assert resume["exit_codes"] == [0] and resume["from_step"] == result["sync"]["saved_step"]
+    assert resume["final_step"] == resume["from_step"] + 3
+    assert resume["grad_accum"] == 2 and resume["effective_batch"] == 4  # effective batch held on half the ranks
