@@ -121,14 +121,7 @@ class Checkpointer:
         self.last_save_seconds = time.monotonic() - start
 
     def _point_latest(self, name: str) -> None:
-        tmp = self.directory / f".latest.tmp-{uuid.uuid4().hex[:8]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if not self.group else 0o640)
-        with os.fdopen(fd, "w") as f:
-            f.write(name + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / "latest")
-        fsync_dir(self.directory)
+        write_text_atomic(self.directory / "latest", name + "\n", 0o600 if not self.group else 0o640)
 
     def _prune(self) -> None:
         steps = self.steps()
@@ -205,6 +198,26 @@ def _os_cause(err: BaseException) -> str:
             return cause.strerror
         cause = cause.__cause__ or cause.__context__
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def write_text_atomic(path: Path, text: str, mode: int = 0o666) -> None:
+    """Replace `path` with `text` at once: readers see the old text or the new one, never a part.
+
+    A temporary file in the same folder (created with `mode`, less the umask) is fsynced and renamed
+    over `path`, then the folder is fsynced; on any error the temporary file is removed.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def fsync_dir(path: Path) -> None:

@@ -45,7 +45,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from taehv_slurm.checkpoint import fsync_dir
+from taehv_slurm.checkpoint import fsync_dir, write_text_atomic
 from taehv_slurm.config import ConfigError
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ class Plan:
                 "shards": self.num_shards, "skipped": self.skipped, "created": self.created,
                 "index_seconds": round(self.index_seconds, 3),
                 "teacher_frames": self.spec[0] - (TIME_FACTOR - 1), "latent_frames": self.spec[0] // TIME_FACTOR}
-        _write_atomic(out / PLAN_FILE, json.dumps(info, indent=1) + "\n")
+        write_text_atomic(out / PLAN_FILE, json.dumps(info, indent=1) + "\n")
 
     @classmethod
     def read(cls, out: str | os.PathLike) -> Plan:
@@ -734,20 +734,6 @@ def _setup_logging(rank: int) -> None:
     log.propagate = False
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w", newline="") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 def _write_csv(path: Path, header: Sequence[str], rows: Any) -> None:
     import io
 
@@ -755,4 +741,4 @@ def _write_csv(path: Path, header: Sequence[str], rows: Any) -> None:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
     writer.writerows(rows)
-    _write_atomic(path, buf.getvalue())
+    write_text_atomic(path, buf.getvalue())
