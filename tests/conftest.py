@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
@@ -29,16 +28,12 @@ def slurm_cluster() -> Iterator[Testbed]:
         pytest.fail(str(err), pytrace=False)
     how = "kept running" if bed.reused else f"up in {time.monotonic() - began:.1f} s"
     print(f"\n[slurm testbed] {how}: SLURM_CONF={bed.conf}")
-    saved = {key: os.environ.get(key) for key in bed.env}
-    os.environ.update(bed.env)
     try:
-        yield bed
+        with pytest.MonkeyPatch.context() as environ:
+            for key, value in bed.env.items():
+                environ.setenv(key, value)
+            yield bed
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         if not bed.reused:  # one the CLI (or someone else) had started stays up for them
             bed.stop()
 # ======================================================================= the real Slurm testbed (end)

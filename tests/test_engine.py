@@ -6,8 +6,6 @@ for one rank. The multi-rank paths run on the Slurm testbed (tests/test_requeue.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,16 +19,12 @@ ENGINES = ["ddp", "zero1", "zero2", "zero3"]
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with pytest.MonkeyPatch.context() as environ:
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+            environ.setenv(key, value)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
 
 
 def engine(kind: str):

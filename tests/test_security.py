@@ -160,20 +160,14 @@ def runs(slurm_cluster, user: User, tmp_path_factory) -> Iterator[Runs]:
     base = tmp_path_factory.mktemp("security")
     group = grp.getgrgid(user.gid).gr_name
     handles = {}
-    saved = os.environ.get(SECRET_SHELL)
-    os.environ[SECRET_SHELL] = values[SECRET_SHELL]  # as a user keeps a token in their shell, out of every file
-    try:
+    with pytest.MonkeyPatch.context() as environ:
+        environ.setenv(SECRET_SHELL, values[SECRET_SHELL])  # as a user keeps a token in their shell, out of every file
         for kind, extra in (("private", {}), ("shared", {"group": group})):
             cluster = make_cluster(base / kind, nodes=1, gpus_per_node=1, time_min=5, secret_env=[SECRET_LISTED, SECRET_SHELL],
                                    env={SECRET_NAMED: values[SECRET_NAMED], SECRET_LISTED: values[SECRET_LISTED],
                                         PUBLIC: "public-value"}, **extra)
             probe = EnvProbe(TrainTask(train, cluster.runtime()), [*values, PUBLIC])
             handles[kind] = Run(submit(probe, cluster, "secure"), base / kind, extra.get("group"))
-    finally:
-        if saved is None:
-            os.environ.pop(SECRET_SHELL, None)
-        else:
-            os.environ[SECRET_SHELL] = saved
     try:
         yield Runs(handles["private"], handles["shared"], values)
     finally:  # never leave a job of ours behind
