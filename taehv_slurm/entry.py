@@ -1,7 +1,10 @@
 """What each task runs on the nodes: `python -m taehv_slurm.entry FOLDER`.
 
+First it holds USR2 and SIGTERM (`startup_signals`): a time-limit warning or preemption that arrives
+while the task is still starting is kept for the training loop instead of ending the process.
+
 submitit's own entry point loads the pickle it finds in FOLDER without asking who wrote it. This
-one first sets an owner-only umask (so every log, metric, TensorBoard file and checkpoint the job
+one then sets an owner-only umask (so every log, metric, TensorBoard file and checkpoint the job
 writes is private; group-readable when the cluster config names a group), then refuses a pickle
 that another user could have written or replaced — one line naming the path and the fix, exit 2,
 nothing deleted — and only then hands over to submitit.
@@ -14,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import startup_signals
 from .security import UnsafePathError, check_safe_to_load, umask_for
 
 PICKLE_WAIT_S = 60  # the submitting side moves the pickle into place right after sbatch returns
@@ -21,6 +25,7 @@ REFUSED_EXIT_CODE = 2
 
 
 def main(argv: list[str] | None = None) -> None:
+    startup_signals.hold()  # first: submitit's import and the pickle's (torch) take seconds
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         sys.exit("usage: python -m taehv_slurm.entry SUBMITIT_FOLDER")

@@ -3,8 +3,9 @@
 Protocol (one agreed flag, no collectives inside a signal handler):
 
 1. `RequeueableTask.__call__` installs handlers for USR2 (Slurm's `--signal` before the time limit →
-   "timeout") and SIGTERM (preemption, `scontrol requeue`, `scancel` → "preempted"). A handler only
-   records the reason and arms a watchdog that ends the process if it cannot exit in time.
+   "timeout") and SIGTERM (preemption, `scontrol requeue`, `scancel` → "preempted"), and replays the
+   signals the entry point held while the task was starting. A handler only records the reason and
+   arms a watchdog that ends the process if it cannot exit in time.
 2. The training loop calls `ctx.should_stop()` at every step boundary: one all-reduce (MAX) of the
    local flag, so every rank learns of a signal that reached any rank at the same step.
 3. All ranks save that step, then `ctx.requeue_after_save()` writes the requeue event and, for a
@@ -32,6 +33,7 @@ from typing import Any
 
 import submitit
 
+from . import startup_signals
 from .checkpoint import Checkpointer
 from .distenv import DistEnv
 from .security import make_private_dir
@@ -92,15 +94,19 @@ class StopFlag:
         self._watchdog: threading.Timer | None = None
 
     def handle(self, signum: int, _frame: Any = None) -> None:
+        self.record(signum, time.time())
+
+    def record(self, signum: int, at: float) -> None:
+        """A signal that arrived at time `at` (now, or while the task was starting)."""
         reason = "timeout" if signum == signal.SIGUSR2 else "preempted"
         if self.reason is None or _REASON_CODES[reason] > _REASON_CODES[self.reason]:
             self.reason = reason
         if self.signal_time is None:
-            self.signal_time = time.time()
+            self.signal_time = at
             print(f"[taehv] caught {signal.Signals(signum).name} on {socket.gethostname()}: "
                   f"saving at the next step boundary ({reason})", flush=True)
             # If a peer died and a collective hangs, the save never comes: leave before SIGKILL does.
-            self._watchdog = threading.Timer(self._grace_s[reason], self._give_up)
+            self._watchdog = threading.Timer(max(0.0, self._grace_s[reason] - (time.time() - at)), self._give_up)
             self._watchdog.daemon = True
             self._watchdog.start()
 
@@ -204,15 +210,17 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         self.grace_s = {"timeout": max(10.0, signal_delay_s - 10.0), "preempted": max(5.0, kill_wait_s - 5.0)}
 
     def __call__(self) -> Any:
+        stop = StopFlag(self.grace_s)
+        for signum in startup_signals.WATCHED:
+            signal.signal(signum, stop.handle)
+        for signum, at in startup_signals.take():
+            stop.record(signum, at)
         run_dir = make_private_dir(self.run_dir, os.environ.get("TAEHV_SHARED_GROUP") or None)  # launched directly too
         env = DistEnv.from_environ()
         backend = os.environ.get("SUBMITIT_EXECUTOR", "debug")
         events = EventLog(run_dir / "events.jsonl")
         history = events.read()  # read before any rank of this segment writes (rank 0 writes after rendezvous)
         segment = sum(1 for e in history if e["event"] == "start")
-        stop = StopFlag(self.grace_s)
-        signal.signal(signal.SIGUSR2, stop.handle)
-        signal.signal(signal.SIGTERM, stop.handle)
         reason = self._refuse_reason(history, run_dir, env.job_id)
         if reason:
             if env.rank == 0:
@@ -231,8 +239,8 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         # Finished: a time-limit warning or preemption arriving now has nothing left to save. Python
         # restores the default action (terminate) as it shuts down, and Slurm would record a completed
         # run as FAILED; ignored signals stay ignored through shutdown.
-        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for signum in startup_signals.WATCHED:
+            signal.signal(signum, signal.SIG_IGN)
         return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:

@@ -14,6 +14,10 @@ from taehv_slurm.checkpoint import Checkpointer
 from taehv_slurm.config import ClusterConfig, TrainConfig, load_cluster, load_train
 
 REPO = Path(__file__).resolve().parents[1]
+# The environment submitit's local executor gives the single task of job 4242 (for running the entry point directly).
+LOCAL_TASK_ENV = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "4242", "SUBMITIT_LOCAL_NTASKS": "1",
+                  "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_GLOBALID": "0",
+                  "SUBMITIT_LOCAL_LOCALID": "0"}
 
 
 def make_cluster(job_dir: Path, **overrides: Any) -> ClusterConfig:

@@ -6,17 +6,23 @@ same time: the final weights and optimizer state must be bit-identical, and no s
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from submitit.helpers import DelayedSubmission
 
 from jobs.submit import submit_training
 from taehv_slurm.handle import JobHandle, submit
-from taehv_slurm.requeue import EventLog
+from taehv_slurm.requeue import LOCAL_REQUEUE_EXIT_CODE, EventLog, RequeueableTask
+from taehv_slurm.security import make_private_dir, private_umask
 from tests.helpers import (
+    LOCAL_TASK_ENV,
     assert_identical,
     final_state,
     last_step,
@@ -27,7 +33,7 @@ from tests.helpers import (
     wait_done,
     wait_for,
 )
-from tests.tasks import CrashAfterStart
+from tests.tasks import CrashAfterStart, StopAtFirstBoundary
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -154,3 +160,35 @@ def test_signals_after_the_run_finished_do_not_fail_the_job(tmp_path: Path) -> N
     assert done.stdout.splitlines() == ["trained"]  # no "caught SIGUSR2 ... saving" for a finished run
     kinds = [e["event"] for e in EventLog(tmp_path / "run" / "events.jsonl").read()]
     assert kinds == ["start", "finished"]
+
+
+def catches(pid: int, signum: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def test_signals_while_the_task_starts_are_kept_for_the_first_step_boundary(tmp_path: Path) -> None:
+    # Before any handler of submitit's or ours exists (imports, the pickle's load), a time-limit warning
+    # (USR2) or preemption (TERM) used to end the task, and Slurm recorded the job FAILED. Here they
+    # arrive while the entry point still waits for its pickle, and the task must act on them once it runs.
+    run_dir = make_private_dir(tmp_path / "run")
+    folder = make_private_dir(run_dir / "submitit")
+    entry = subprocess.Popen([sys.executable, "-m", "taehv_slurm.entry", str(folder)], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **LOCAL_TASK_ENV})
+    deadline = time.monotonic() + 10  # until the entry point's handlers are in (without them: signal it anyway)
+    while not catches(entry.pid, signal.SIGUSR2) and entry.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(entry.pid, signal.SIGTERM)
+    os.kill(entry.pid, signal.SIGUSR2)
+    time.sleep(1.0)
+    with private_umask():  # as submit() writes it
+        DelayedSubmission(RequeueableTask(StopAtFirstBoundary(), run_dir)).dump(folder / "4242_submitted.pkl")
+    output, _ = entry.communicate(timeout=120)
+
+    assert entry.returncode == LOCAL_REQUEUE_EXIT_CODE, output  # saved and asked to be requeued, not killed
+    assert "caught SIGUSR2" in output and "exiting for requeue (timeout)" in output, output
+    start, requeue = EventLog(run_dir / "events.jsonl").read()
+    assert (start["event"], requeue["event"], requeue["reason"], requeue["step"]) == ("start", "requeue", "timeout", 0)
+    assert requeue["signal_to_saved_s"] >= 1.0  # timed from the signal's arrival, not from the task's start

@@ -41,7 +41,7 @@ from taehv_slurm.executor import make_executor
 from taehv_slurm.handle import JobHandle, submit
 from taehv_slurm.requeue import RequeueableTask
 from taehv_slurm.security import UnsafePathError, describe_secret_env
-from tests.helpers import REPO, make_cluster, tiny_train, wait_done
+from tests.helpers import LOCAL_TASK_ENV, REPO, make_cluster, tiny_train, wait_done
 
 TEST_USER = "taehvtest"
 SECRET_NAMED = "TAEHV_SECTEST_API_TOKEN"  # a secret by its name (TOKEN)
@@ -251,10 +251,6 @@ def test_folder_modes_as_documented(user: User) -> None:
 
 # -------------------------------------------------------- the entry point before submitit loads
 
-ENTRY_ENV = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "4242", "SUBMITIT_LOCAL_NTASKS": "1",
-             "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_GLOBALID": "0",
-             "SUBMITIT_LOCAL_LOCALID": "0"}
-
 MAKE_JOB_FOLDER = """
 import json, os, sys
 from pathlib import Path
@@ -292,7 +288,7 @@ def test_entry_refuses_a_job_folder_others_could_write(user: User, weakness: str
         os.chmod(case / what[0], what[1])
     before = sha256(pickle)
 
-    out = user.run([sys.executable, "-m", "taehv_slurm.entry", str(folder)], ENTRY_ENV)
+    out = user.run([sys.executable, "-m", "taehv_slurm.entry", str(folder)], LOCAL_TASK_ENV)
     assert out.returncode == 2, out.stderr
     message = one_line(out.stderr)
     assert message.startswith(f"[taehv] refusing to load {pickle}: ")
@@ -306,7 +302,7 @@ def test_entry_refuses_a_job_folder_others_could_write(user: User, weakness: str
     fix = BACKTICKED.search(message).group(1)
     assert fix == (f"chmod o-w {weak}" if "sticky" in weakness else f"chmod go-w {weak}")
     assert user.run(["sh", "-c", fix]).returncode == 0
-    done = user.run([sys.executable, "-m", "taehv_slurm.entry", str(folder)], ENTRY_ENV)
+    done = user.run([sys.executable, "-m", "taehv_slurm.entry", str(folder)], LOCAL_TASK_ENV)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (case / "ran").is_dir()  # the same pickle runs once the folder is safe
     assert mode(folder / "4242_0_result.pkl") == 0o600  # written under the entry point's umask
