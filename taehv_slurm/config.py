@@ -20,6 +20,10 @@ from typing import Any, Literal, Union
 
 import yaml
 
+# sbatch --signal: "the signal may be sent up to 60 seconds earlier than specified" (slurmctld checks
+# time limits periodically).
+SLURM_SIGNAL_EARLY_S = 60
+
 # Env names treated as secrets even when not listed in secret_env: *TOKEN*, *SECRET*, *PASSWORD*, *_PASS,
 # *APIKEY*, *API_KEY*, *ACCESS_KEY*, *PRIVATE_KEY*, *CREDENTIAL*, and names ending in KEY (WANDB_KEY).
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|(^|_)PASS$|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|(^|_)KEY$)", re.I)
@@ -134,10 +138,12 @@ class ClusterConfig:
         _check(self.time_min >= 1, source, f"time_min must be ≥ 1, got {self.time_min}")
         _check(self.signal_delay_s >= 0, source, f"signal_delay_s must be ≥ 0, got {self.signal_delay_s}")
         _check(
-            self.signal_delay_s < self.time_min * 60,
+            self.signal_delay_s + SLURM_SIGNAL_EARLY_S < self.time_min * 60,
             source,
-            f"signal_delay_s={self.signal_delay_s} is not shorter than time_min={self.time_min} minutes: "
-            "the job would be signalled before it starts; lower signal_delay_s or raise time_min",
+            f"time_min={self.time_min} leaves no time to train with signal_delay_s={self.signal_delay_s}: Slurm sends "
+            f"the time-limit warning up to {SLURM_SIGNAL_EARLY_S} s before that, so it could come as the job starts, "
+            f"every time; raise time_min above {(self.signal_delay_s + SLURM_SIGNAL_EARLY_S) // 60} or lower "
+            "signal_delay_s",
         )
         _check(self.max_requeues >= 0, source, f"max_requeues must be ≥ 0, got {self.max_requeues}")
         _check(self.rendezvous_timeout_s >= 1, source, "rendezvous_timeout_s must be ≥ 1")

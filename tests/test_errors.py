@@ -71,6 +71,7 @@ CONFIG_CASES = {
     "batch-split": (None, None, ["--nodes", "3"]),
     "batch-memory": (None, None, ["--set", "batch.per_gpu=64", "--set", "batch.effective=512"]),
     "tasks-gpus-mismatch": (None, None, ["--set", "tasks_per_node=16"]),
+    "time-limit-too-short": (None, None, ["--set", "time_min=4"]),
 }
 
 

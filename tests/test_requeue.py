@@ -77,17 +77,18 @@ def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
 
 
 def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -> None:
-    # time_min=1 with USR2 45 s before the limit: the job is signalled within seconds of starting.
-    short = make_cluster(tmp_path, nodes=1, gpus_per_node=2, time_min=1, signal_delay_s=45)
+    # The shortest limit the config allows: USR2 45 s before a 2-minute limit comes 15-75 s into each run
+    # (Slurm may send it up to 60 s early), so the run needs several.
+    short = make_cluster(tmp_path, nodes=1, gpus_per_node=2, time_min=2, signal_delay_s=45)
     relaxed = make_cluster(tmp_path, nodes=1, gpus_per_node=2, time_min=30)
-    train = tiny_train(steps=120, **EXACT)
+    train = tiny_train(steps=200, **EXACT)
     reference = submit_training(relaxed, train, "reference")[0]
     timed = submit_training(short, train, "timed")[0]
     assert wait_done(timed.job_id, 1200) == "COMPLETED", timed.tail(60)
     assert wait_done(reference.job_id, 600) == "COMPLETED", reference.tail(60)
     requeues = events(timed, "requeue")
     assert requeues and all(e["reason"] == "timeout" for e in requeues)
-    assert trained_steps(timed.run_dir) == list(range(1, 121))
+    assert trained_steps(timed.run_dir) == list(range(1, 201))
     _, ref_state, _ = final_state(reference.run_dir)
     _, state, _ = final_state(timed.run_dir)
     for key in ("params", "exp_avg", "exp_avg_sq", "optimizer_step"):
