@@ -107,7 +107,7 @@ def main() -> None:
         for pr in procs:
             pr.wait(timeout=120)
         exited = time.time()
-        requeue = events(run_dir, "requeue")
+        requeue = events(run_dir, "exited_for_restart")  # no scheduler here: the ranks save and exit
         log0 = (tmp_path / f"{mode}.rank0.log").read_text()
         saves = [float(s) for s in re.findall(r"checkpoint step \d+ (?:saved|handed to the writer) in ([\d.]+) s", log0)]
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # The GPU benchmark session behind docs/benchmarks.md, on one host with 2 GPUs (nvidia-h200-x2).
-# Usage: bash bench/run_gpu_benchmarks.sh PART OUTDIR   (PART: single | multi | signal | prepare | all)
+# Usage: bash bench/run_gpu_benchmarks.sh PART OUTDIR   (PART: e2e | single | multi | signal | prepare | all)
+# e2e needs one GPU only: the user's command end to end, the loader rates and the GPU tests (~25 min).
 # Wheels missing from the GPU image (deepspeed, submitit, av, diffusers, ...) must already be importable.
 set -uo pipefail
 part=${1:-all}; out=${2:-bench/results}; mkdir -p "$out"
 export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1   # DeepSpeed's op builder cannot parse "9.0a"
 run() { local name=$1; shift; echo "=== $name"; timeout "${LIMIT:-400}" "$@" 2>&1 | grep -v Warning | tee "$out/$name.log" | tail -25; }
+if [[ $part == e2e || $part == all ]]; then
+  LIMIT=1500 run e2e python3 bench/e2e_throughput.py --out "$out/e2e_throughput.json"
+  run loader python3 bench/loader_throughput.py --workers 1,2,4,8,12 --seconds 6 --out "$out/loader_throughput.json"
+  LIMIT=1500 run gpu_tests python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu.py
+fi
 if [[ $part == single || $part == all ]]; then
   run single python3 bench/train_throughput.py --variants compile_cl --batch ${BATCH:-4,8} --profile compile_cl:4 --out "$out/train_single.json"
   run graphs python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4 --out "$out/train_cuda_graphs.json"
@@ -21,5 +27,4 @@ if [[ $part == signal || $part == all ]]; then
 fi
 if [[ $part == prepare || $part == all ]]; then
   run prepare python3 bench/prepare_throughput.py --out "$out/prepare_throughput.json"
-  run loader python3 bench/loader_throughput.py --out "$out/loader_throughput.json"
 fi

@@ -27,7 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._record import run_info, write_results  # noqa: E402
-from trainer.engine import make_engine  # noqa: E402
+from trainer.engine import Microbatch, make_engine  # noqa: E402
 from trainer.losses import DistillModule  # noqa: E402
 from trainer.model import FAST_PATHS, TAEHV, TAEHVConfig, conv_flops_per_clip  # noqa: E402
 
@@ -81,9 +81,10 @@ def measure(variant: str, engine_kind: str, batch: int, args: argparse.Namespace
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    step = [Microbatch(frames, latents, 1.0)]
     start = time.perf_counter()
     for _ in range(args.warmup):
-        engine.train_step([(frames, latents)], 1e-4)
+        engine.train_step(step, 1e-4)
     sync()
     warmup_s = time.perf_counter() - start
     times = []
@@ -93,7 +94,7 @@ def measure(variant: str, engine_kind: str, batch: int, args: argparse.Namespace
         sync()
         start = time.perf_counter()
         for _ in range(args.steps):
-            engine.train_step([(frames, latents)], 1e-4)
+            engine.train_step(step, 1e-4)
         sync()
         times.append((time.perf_counter() - start) / args.steps)
     step_s = sorted(times)[len(times) // 2]
@@ -121,12 +122,13 @@ def profile(variant: str, batch: int, args: argparse.Namespace, device: torch.de
         engine.forward = torch.compile(module, mode=compile_mode)
     frames = torch.randint(0, 256, (batch, args.frames, 3, args.height, args.width), dtype=torch.uint8, device=device)
     latents = torch.randn(batch, args.frames // 4, 16, args.height // 8, args.width // 8, device=device)
+    step = [Microbatch(frames, latents, 1.0)]
     for _ in range(2):
-        engine.train_step([(frames, latents)], 1e-4)
+        engine.train_step(step, 1e-4)
     torch.cuda.synchronize(device)
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         for _ in range(3):
-            engine.train_step([(frames, latents)], 1e-4)
+            engine.train_step(step, 1e-4)
         torch.cuda.synchronize(device)
     print(f"\nprofile {variant} batch {batch} (3 steps), kernels:")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70))

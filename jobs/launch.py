@@ -16,20 +16,14 @@ takes the node down at once with one line naming it. configs/platform/k8s-job.ya
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import dataclasses
 import importlib
 import importlib.util
 import json
 import os
-import queue
 import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -47,14 +41,9 @@ from taehv_slurm.config import (
 from taehv_slurm.distenv import LAUNCHER_MARK, DistEnv, DistributedSetupError
 from taehv_slurm.plan import plan_for
 from taehv_slurm.security import make_private_dir
+from taehv_slurm.supervisor import RankCommand, Supervisor
 
 PLATFORM_CLUSTER = "configs/platform/cluster.yaml"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
-PR_SET_PDEATHSIG = 1
-try:  # loaded here, not in the forked child: dlopen after fork can deadlock on the loader's lock
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
-except OSError:
-    _LIBC = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,119 +193,27 @@ def launch_node(args: argparse.Namespace, argv: list[str]) -> int:
     say(f"[launch] node {node.node_rank}/{node.num_nodes} on {socket.gethostname()}: ranks {first}-{last} of "
         f"{ranks_env[0].world_size} ({ranks} per node, {device}), master {node.master_addr}:{node.master_port}, "
         f"run folder {run_dir}")
-    supervisor = NodeSupervisor(node.node_rank, grace_s=float(cluster.kill_wait_s))
     marked = {LAUNCHER_MARK: "1"}  # the ranks read their rank from us, not from an enclosing Slurm step
-    return supervisor.run([(env, command, {**base, **env.torchrun_environ(), **marked}) for env in ranks_env])
+    return supervise(node.node_rank, float(cluster.kill_wait_s),
+                     [RankCommand(command, {**base, **env.torchrun_environ(), **marked},
+                                  label=f"rank {env.rank} (local rank {env.local_rank})") for env in ranks_env])
 
 
-@dataclasses.dataclass
-class _Rank:
-    env: DistEnv
-    proc: subprocess.Popen
-
-
-class NodeSupervisor:
-    """Start the ranks of one node, pass stop signals on, and end the node when one rank fails."""
-
-    def __init__(self, node_rank: int, grace_s: float) -> None:
-        self.node_rank = node_rank
-        self.grace_s = grace_s  # from a stop signal to SIGKILL: the ranks' time to save (kill_wait_s)
-        self.ranks: list[_Rank] = []
-        self.stop_signal: int | None = None
-        self.stop_deadline = float("inf")
-        self._exits: queue.Queue[_Rank] = queue.Queue()
-
-    def run(self, commands: list[tuple[DistEnv, list[str], dict[str, str]]]) -> int:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        try:
-            for env, command, environ in commands:
-                if self.stop_signal is not None:
-                    break
-                proc = subprocess.Popen(command, env=environ, start_new_session=True, preexec_fn=_die_with_parent)
-                self.ranks.append(_Rank(env, proc))
-            # One waiter thread per rank: exits are seen in the order they happened, so the rank named is
-            # the one that died first, not a sibling that failed because of it.
-            for rank in self.ranks:
-                threading.Thread(target=self._wait_for, args=(rank,), daemon=True).start()
-            return self._watch()
-        finally:
-            self._kill(self.ranks)
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _wait_for(self, rank: _Rank) -> None:
-        rank.proc.wait()
-        self._exits.put(rank)
-
-    def _watch(self) -> int:
-        done = 0
-        while done < len(self.ranks):
-            try:
-                rank = self._exits.get(timeout=0.2)
-            except queue.Empty:
-                if time.monotonic() > self.stop_deadline:
-                    alive = [r for r in self.ranks if r.proc.poll() is None]
-                    say(f"[launch] node {self.node_rank}: {len(alive)} rank(s) still running {self.grace_s:.0f} s "
-                        "after the stop signal; killing them (the last checkpoint is intact)")
-                    self._kill(alive)
-                    return 128 + int(self.stop_signal or signal.SIGTERM)
-                continue
-            done += 1
-            code = rank.proc.returncode
-            if code != 0 and self.stop_signal is None:
-                return self._fail(rank, code)
-        if self.stop_signal is not None:
-            name = signal.Signals(self.stop_signal).name
-            say(f"[launch] node {self.node_rank}: all ranks exited after {name}; exiting {128 + self.stop_signal} "
-                "so the platform restarts this node (the run resumes from its latest checkpoint)")
-            return 128 + self.stop_signal
-        return 0
-
-    def _fail(self, rank: _Rank, code: int) -> int:
-        others = [r for r in self.ranks if r is not rank and r.proc.poll() is None]
-        self._kill(others)
-        if code < 0:
-            sig = signal.Signals(-code).name
-            how = f"was killed by {sig}" + (" (often the kernel's out-of-memory killer)" if sig == "SIGKILL" else "")
-        else:
-            how = f"exited with code {code}"
-        say(f"error: node {self.node_rank}: rank {rank.env.rank} (local rank {rank.env.local_rank}) {how}; "
-            f"stopped the {len(others)} other rank(s) of this node; rank {rank.env.rank}'s output above says why",
-            err=True)
+def supervise(node_rank: int, grace_s: float, commands: list[RankCommand]) -> int:
+    """Run the node's ranks; the launcher's exit code: 0, the failed rank's code, or 128 + the stop signal."""
+    outcome = Supervisor(grace_s, say=lambda line: say(f"[launch] node {node_rank}: {line}")).run(commands)
+    labels = [c.label for c in commands]
+    if outcome.failed is not None:
+        say(f"error: node {node_rank}: {outcome.describe_failure(labels)}; stopped the {outcome.stopped_others} other "
+            f"rank(s) of this node; {labels[outcome.failed].split(' (')[0]}'s output above says why", err=True)
+        code = outcome.exit_codes[outcome.failed] or 1
         return code if code > 0 else 128 - code
-
-    def _on_signal(self, signum: int, _frame: Any = None) -> None:
-        alive = [r for r in self.ranks if r.proc.poll() is None]
-        if self.stop_signal is not None:  # a second signal: do not wait for the save
-            say(f"[launch] node {self.node_rank}: second signal; killing {len(alive)} rank(s)")
-            self._kill(alive)
-            return
-        self.stop_signal = signum
-        self.stop_deadline = time.monotonic() + self.grace_s
-        # SIGINT is passed on as SIGTERM: the ranks save on SIGTERM, while SIGINT would end them unsaved.
-        forward = signal.SIGUSR2 if signum == signal.SIGUSR2 else signal.SIGTERM
-        say(f"[launch] node {self.node_rank}: caught {signal.Signals(signum).name}; sending {forward.name} to "
-            f"{len(alive)} rank(s): they save at the next step and exit")
-        for rank in alive:
-            with contextlib.suppress(ProcessLookupError):
-                rank.proc.send_signal(forward)  # the rank only: its data-loader workers must outlive the save
-
-    @staticmethod
-    def _kill(ranks: list[_Rank]) -> None:
-        for rank in ranks:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(rank.proc.pid, signal.SIGKILL)  # the rank and its data-loader workers
-        for rank in ranks:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                rank.proc.wait(timeout=30)
-
-
-def _die_with_parent() -> None:
-    # Runs in the child before exec: the rank gets SIGKILL if the launcher dies (e.g. killed with SIGKILL
-    # outside a container), instead of lingering in a rendezvous no one will join. Linux only.
-    if _LIBC is not None:
-        with contextlib.suppress(AttributeError):
-            _LIBC.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if outcome.stop_signal is not None:
+        name = signal.Signals(outcome.stop_signal).name
+        say(f"[launch] node {node_rank}: all ranks exited after {name}; exiting {128 + outcome.stop_signal} so the "
+            "platform restarts this node (the run resumes from its latest checkpoint)")
+        return 128 + outcome.stop_signal
+    return 0
 
 
 # ------------------------------------------------------------------------------------- one rank

@@ -10,35 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from typing import TextIO
 
 from jobs._cli import one_line_errors
 from jobs.status import default_job_dir
-from taehv_slurm.handle import FINAL_STATES, JobHandle
-
-
-def follow(handle: JobHandle, rank: int = 0, poll_s: float = 1.0, out: TextIO | None = None,
-           position: int = 0) -> str:
-    """Print the rank's log from byte `position` as it grows until the job ends; returns the final state."""
-    out = out or sys.stdout
-    path = handle.log_path(rank)
-    while True:
-        state = handle.state  # read before the file: a job that just ended has written its last line
-        if path.exists():
-            with path.open("rb") as f:
-                size = f.seek(0, 2)
-                if size < position:  # truncated or replaced (never by Slurm's append mode, but by hand)
-                    position = 0
-                f.seek(position)
-                chunk = f.read()
-                position = f.tell()
-            if chunk:
-                out.write(chunk.decode(errors="replace"))
-                out.flush()
-        if state.split()[0] in FINAL_STATES:
-            return state
-        time.sleep(poll_s)
+from taehv_slurm.handle import JobHandle
 
 
 @one_line_errors
@@ -61,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.follow:
         print(f"(no log yet for rank {args.rank}; job {handle.job_id} is {handle.state})")
     if args.follow:  # on from exactly where the lines above ended: nothing twice, nothing skipped
-        print(f"job {handle.job_id} ended: {follow(handle, args.rank, position=size)}")
+        print(f"job {handle.job_id} ended: {handle.follow(args.rank, position=size)}")
     return 0
 
 

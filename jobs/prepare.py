@@ -25,9 +25,10 @@ from pathlib import Path
 
 from jobs._cli import DEFAULT_CLUSTER, LOCAL_CLUSTER, load_cluster_from_args, one_line_errors
 from taehv_slurm.config import ClusterConfig, ConfigError, parse_set_args, split_overrides
-from taehv_slurm.executor import sbatch_preview
+from taehv_slurm.executor import sbatch_preview, task_device
 from taehv_slurm.handle import JobHandle, submit
 from taehv_slurm.security import make_private_dir
+from taehv_slurm.slurm import is_success
 from trainer.prepare import (
     PLAN_FILE,
     VIDEOS_FILE,
@@ -42,8 +43,6 @@ from trainer.prepare import (
     read_plan_info,
     verify,
 )
-
-SUCCESS = ("COMPLETED", "FINISHED", "DONE")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,7 +131,7 @@ def submit_prepare(cluster: ClusterConfig, out: str | Path, run_name: str | None
     # the time before the limit (USR2) or KillWait (preemption), halved for the exit itself.
     budget = {"timeout": max(5.0, (cluster.signal_delay_s - 10) / 2), "preempted": max(2.0, (cluster.kill_wait_s - 5) / 2)}
     # The device follows the cluster shape: ranks of a GPU-less config stay on the CPU even where CUDA exists.
-    runtime = {**cluster.runtime(), "device": device_of(cluster)}
+    runtime = {**cluster.runtime(), "device": task_device(cluster)}
     out = Path(out).resolve()
     task = PrepareTask(str(out), runtime, batch=batch, workers=workers, compile=compile, finish_budget_s=budget)
     name = run_name or f"prepare-{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -141,16 +140,8 @@ def submit_prepare(cluster: ClusterConfig, out: str | Path, run_name: str | None
     return submit(task, cluster, name, record=record)
 
 
-def device_of(cluster: ClusterConfig) -> str:
-    if cluster.device != "auto":
-        return cluster.device
-    if cluster.backend != "slurm" and not any(Path("/dev").glob("nvidia[0-9]*")):  # this machine has no GPU
-        return "cpu"
-    return "cuda" if cluster.gpus_per_node > 0 else "cpu"
-
-
 def describe_job(cluster: ClusterConfig) -> str:
-    device = device_of(cluster)
+    device = task_device(cluster)
     return (f"job: {cluster.backend} backend, {cluster.nodes} node(s) × {cluster.tasks_per_node} ranks = "
             f"{cluster.world_size} ranks, gres {cluster.gres_request or 'none'}, {cluster.cpus_per_task} CPUs/rank, "
             f"time {cluster.time_min} min, device {device}")
@@ -202,12 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"verify: python -m jobs.prepare --verify --out {out}")
     if not (args.local or args.follow or cluster.backend == "local"):
         return 0
-    from jobs.logs import follow
-
-    state = follow(handle, rank=0)
+    state = handle.follow(0)
     print(f"job {handle.job_id} ended: {state}")
     code = report_verify(out)
-    return code if state.split()[0] in SUCCESS else 1
+    return code if is_success(state) else 1
 
 
 def report_verify(out: Path) -> int:

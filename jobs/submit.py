@@ -31,8 +31,10 @@ from jobs._cli import (
     resolve,
 )
 from taehv_slurm.config import ConfigError, load_train, parse_set_args, split_overrides
-from taehv_slurm.executor import sbatch_preview
+from taehv_slurm.executor import sbatch_preview, task_device
+from taehv_slurm.handle import LogFollower
 from taehv_slurm.plan import plan_for
+from taehv_slurm.slurm import is_success
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the job, the plan and the sbatch script; submit nothing")
     p.add_argument("--local", action="store_true", help="run here with the local backend (no Slurm) and follow it")
     p.add_argument("--follow", action="store_true", help="stream rank 0's log until the job ends")
+    p.add_argument("--force", action="store_true",
+                   help="the run name has a live job: cancel it (it saves at the signal), wait, then submit")
     return p
 
 
@@ -113,17 +117,9 @@ def point_name(point: Mapping[str, Any]) -> str:
     return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text)
 
 
-def device_of(cluster) -> str:
-    if cluster.device != "auto":
-        return cluster.device
-    if cluster.backend == "local":
-        return "cuda" if cluster.gpus_per_node > 0 and any(Path("/dev").glob("nvidia[0-9]*")) else "cpu"
-    return "cuda" if cluster.gpus_per_node > 0 else "cpu"
-
-
 def make_plan(cluster, train):
     return plan_for(cluster.nodes, int(cluster.tasks_per_node), train, gpu_memory_gb=cluster.gpu_memory_gb,
-                    cpus_per_task=cluster.cpus_per_task, device=device_of(cluster))
+                    cpus_per_task=cluster.cpus_per_task, device=task_device(cluster))
 
 
 def summary(cluster, run_dir: str) -> str:
@@ -131,10 +127,11 @@ def summary(cluster, run_dir: str) -> str:
     where = f"partition {cluster.partition}" if cluster.partition else "default partition"
     return (f"job: {cluster.backend} backend, {where}, {cluster.nodes} node(s) × {cluster.tasks_per_node} tasks "
             f"= world size {cluster.world_size}; gres {gres}, {cluster.cpus_per_task} CPUs/task, "
-            f"time {cluster.time_min} min, device {device_of(cluster)}\nrun folder: {run_dir}")
+            f"time {cluster.time_min} min, device {task_device(cluster)}\nrun folder: {run_dir}")
 
 
-def submit_training(cluster, trains, run_name: str | None = None, sweep: list[dict] | None = None):
+def submit_training(cluster, trains, run_name: str | None = None, sweep: list[dict] | None = None,
+                    force: bool = False):
     """Submit one training run per train config (a job array for several); returns their JobHandles.
 
     sweep: the swept values of each config (one dict per config), recorded in the job registry and
@@ -154,7 +151,8 @@ def submit_training(cluster, trains, run_name: str | None = None, sweep: list[di
         names = [run_name] if run_name else None
     else:
         names = [point_name(point) for point in sweep] if sweep and all(sweep) else None
-    return submit_many(tasks, cluster, names, extra_env=plans[0].nccl_env, records=records, group_name=run_name)
+    return submit_many(tasks, cluster, names, extra_env=plans[0].nccl_env, records=records, group_name=run_name,
+                       force=force)
 
 
 def submit_sweep(cluster, train, grid: Mapping[str, Sequence[Any]] | list[str], run_name: str | None = None):
@@ -197,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         from taehv_slurm.smoke import SmokeTask
 
         task = SmokeTask(backend=cluster.dist_backend, rendezvous_timeout_s=cluster.rendezvous_timeout_s)
-        handles = [submit(task, cluster, run_name, requeueable=False, record={"task_kind": "smoke"})]
+        handles = [submit(task, cluster, run_name, requeueable=False, record={"task_kind": "smoke"}, force=args.force)]
     else:
-        handles = submit_training(cluster, trains, run_name, sweep)
+        handles = submit_training(cluster, trains, run_name, sweep, force=args.force)
     for handle in handles:
         point = f" {point_name(handle.sweep)}" if handle.sweep else ""
         print(f"submitted job {handle.job_id}{point}: {cluster.nodes} node(s) × {cluster.tasks_per_node} tasks, "
@@ -212,15 +210,52 @@ def main(argv: list[str] | None = None) -> int:
     print(f"follow: python -m jobs.logs {first.job_id} --follow --job-dir {cluster.job_dir}")
     print(f"status: python -m jobs.status {first.job_id} --job-dir {cluster.job_dir}")
     if args.local or args.follow or cluster.backend == "local":
-        from jobs.logs import follow
-
-        state = follow(first, rank=0)
-        print(f"job {first.job_id} ended: {state}")
-        if args.task == "smoke":
+        state, interrupted = follow_to_the_end(first, stop_on_interrupt=cluster.backend == "local")
+        report_end(first, state, run_name, interrupted)
+        if args.task == "smoke" and is_success(state):
             for facts in sorted(first.results(), key=lambda f: f["rank"]):
                 print(facts)
-        return 0 if state.split()[0] in ("COMPLETED", "FINISHED", "DONE") else 1
+        return 0 if is_success(state) else 130 if interrupted else 1
     return 0
+
+
+def follow_to_the_end(handle, stop_on_interrupt: bool) -> tuple[str, bool]:
+    """Stream rank 0's log (tracebacks as one line each) until the job ends: (state, interrupted).
+
+    Ctrl-C on a job of this machine stops it as a preemption would: every rank saves at its next step,
+    then the job ends CANCELLED (a second Ctrl-C ends it without waiting). On a cluster Ctrl-C only
+    stops following; the job runs on."""
+    follower = LogFollower(handle, rank=0, hide_tracebacks=True)
+    try:
+        return follower.run(), False
+    except KeyboardInterrupt:
+        if not stop_on_interrupt:
+            print(f"\nstopped following; job {handle.job_id} runs on (python -m jobs.logs {handle.job_id} --follow)")
+            return handle.state, True
+    print(f"\ninterrupted: every rank saves at its next step, then job {handle.job_id} ends "
+          "(Ctrl-C again to end it without saving)", flush=True)
+    handle.cancel()
+    try:
+        return follower.run(), True
+    except KeyboardInterrupt:
+        handle.cancel()  # a second stop signal: the controller ends the ranks at once
+        return follower.run(), True
+
+
+def report_end(handle, state: str, run_name: str, interrupted: bool) -> None:
+    """The job's end in one or two lines: its state, and for a failure the error once and where the
+    traceback is, for a stop where it was saved and how to resume."""
+    print(f"job {handle.job_id} ended: {state}")
+    if is_success(state):
+        return
+    if state.startswith("CANCELLED") or interrupted:
+        saved = [e["step"] for e in handle.events() if e["event"] in ("cancelled", "requeue")]
+        where = f"saved at step {saved[-1]}" if saved else "stopped before it saved a step"
+        print(f"{where}; resume with: python -m jobs.submit --name {run_name} and the same flags", file=sys.stderr)
+        return
+    failure = [e for e in handle.events() if e["event"] in ("failure", "requeue_failed")]
+    rank = failure[-1].get("rank", 0) if failure else 0
+    print(f"error: {handle.error or 'the job ended ' + state}; full traceback: {handle.log_path(rank)}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ name), so a run resumes at any world size and with any engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,6 +35,10 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message says what was kept and what to do."""
+
+    def __init__(self, message: str, cause: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause or message
 
 
 class Checkpointer:
@@ -54,6 +59,7 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.last_save_seconds: float | None = None
+        self.moved_aside: list[str] = []  # damaged checkpoints the last load_latest() moved aside, one line each
 
     # ------------------------------------------------------------------------------------ saving
     def save(self, state: Mapping[str, Any], step: int, meta: Mapping[str, Any] | None = None,
@@ -159,9 +165,34 @@ class Checkpointer:
         return json.loads((self.directory / f"step_{step:08d}" / "meta.json").read_text())
 
     def load_latest(self) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
-        """(step, state, meta) of the newest complete checkpoint, or None when there is none."""
-        step = self.latest_step()
-        return None if step is None else self.load(step)
+        """(step, state, meta) of the newest checkpoint that loads, or None when there is none.
+
+        A newest checkpoint that cannot be read (cut short, overwritten) is moved aside to
+        `step_N.damaged-<time>` — never deleted — and `latest` is pointed at the next older one, which is
+        loaded instead: a requeued job resumes by itself. Each move is one line in `self.moved_aside`
+        for the caller to log. A checkpoint refused for safety (another user's file) is not skipped.
+        """
+        self.moved_aside = []
+        while (step := self.latest_step()) is not None:
+            try:
+                return self.load(step)
+            except CheckpointError as err:
+                self._move_aside(step, err)
+        return None
+
+    def _move_aside(self, step: int, err: CheckpointError) -> None:
+        folder = self.directory / f"step_{step:08d}"
+        target = folder.with_name(f"{folder.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        with contextlib.suppress(FileNotFoundError):  # another rank moved it a moment ago
+            os.rename(folder, target)
+        steps = self.steps()
+        if steps:
+            self._point_latest(f"step_{steps[-1]:08d}")
+        else:
+            (self.directory / "latest").unlink(missing_ok=True)
+        kept = f"resuming from step {steps[-1]}" if steps else "no older checkpoint: starting from step 0"
+        self.moved_aside.append(f"checkpoint step {step} is damaged ({err.cause}); moved it to {target.name} "
+                                f"(kept for inspection) and {kept}")
 
     def load(self, step: int) -> tuple[int, dict[str, Any], dict[str, Any]]:
         import torch
@@ -169,12 +200,17 @@ class Checkpointer:
         folder = self.directory / f"step_{step:08d}"
         for name in ("state.pt", "meta.json"):
             check_safe_to_load(folder / name, self.trust_root)
-        meta = json.loads((folder / "meta.json").read_text())
+        try:
+            meta = json.loads((folder / "meta.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"cannot load checkpoint {folder}: meta.json is damaged; delete that folder to "
+                                  "resume from an older one", cause="meta.json is damaged") from None
         try:
             state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
         except Exception as err:  # our own words: torch's advice (weights_only=False) would run the file's code
-            raise CheckpointError(f"cannot load checkpoint {folder}: {_load_failure(err)}; "
-                                  "delete that folder to resume from an older one (it was not loaded)") from None
+            cause = _load_failure(err)
+            raise CheckpointError(f"cannot load checkpoint {folder}: {cause}; delete that folder to resume from an "
+                                  "older one (it was not loaded)", cause=cause) from None
         return step, state, meta
 
 
@@ -185,10 +221,8 @@ def _load_failure(err: BaseException) -> str:
     if found:  # a pickled Python object: rebuilding it could execute code, so it is refused
         return (f"state.pt holds a Python object ({found.group(1)}), not only tensors and plain values, "
                 "and such objects are never unpickled (they could run code)")
-    if isinstance(err, EOFError) or "Weights only load failed" in text or "zip archive" in text:
-        return "state.pt is damaged or not a torch checkpoint (cut short, overwritten, or not written by this library)"
     first = text.strip().splitlines()[0].split(". ")[0] if text.strip() else type(err).__name__
-    return f"state.pt could not be read ({first})"
+    return f"state.pt is damaged or not a torch checkpoint: cut short, overwritten, or not written by this library ({first})"
 
 
 def _os_cause(err: BaseException) -> str:

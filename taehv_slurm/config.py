@@ -23,6 +23,9 @@ import yaml
 # sbatch --signal: "the signal may be sent up to 60 seconds earlier than specified" (slurmctld checks
 # time limits periodically).
 SLURM_SIGNAL_EARLY_S = 60
+# The time-limit warning must leave time to reach a step boundary (two on GPUs: the stop flag is read one
+# step late), save (~1 s for TAEHV, docs/benchmarks.md) and requeue: below this the run would lose work.
+SIGNAL_DELAY_MIN_S = 30
 
 # Env names treated as secrets even when not listed in secret_env: *TOKEN*, *SECRET*, *PASSWORD*, *_PASS,
 # *APIKEY*, *API_KEY*, *ACCESS_KEY*, *PRIVATE_KEY*, *CREDENTIAL*, and names ending in KEY (WANDB_KEY).
@@ -136,7 +139,10 @@ class ClusterConfig:
             )
         _check(self.cpus_per_task >= 1, source, f"cpus_per_task must be ≥ 1, got {self.cpus_per_task}")
         _check(self.time_min >= 1, source, f"time_min must be ≥ 1, got {self.time_min}")
-        _check(self.signal_delay_s >= 0, source, f"signal_delay_s must be ≥ 0, got {self.signal_delay_s}")
+        _check(self.signal_delay_s >= SIGNAL_DELAY_MIN_S, source,
+               f"signal_delay_s={self.signal_delay_s} is below the minimum of {SIGNAL_DELAY_MIN_S} s: the time-limit "
+               "warning (USR2) must leave time to reach a step boundary, save and requeue; set signal_delay_s: "
+               f"{SIGNAL_DELAY_MIN_S} or more (README: what a site must configure)")
         _check(
             self.signal_delay_s + SLURM_SIGNAL_EARLY_S < self.time_min * 60,
             source,
@@ -225,9 +231,11 @@ class EngineConfig:
     kind: Literal["auto", "ddp", "zero1", "zero2", "zero3"] = "auto"
     precision: Literal["bf16", "fp32"] = "bf16"
     compile: bool = True  # torch.compile the model (CUDA only)
-    # torch.compile mode for the ddp engine: CUDA graphs ("reduce-overhead") measured fastest
-    # (docs/benchmarks.md); DeepSpeed engines always compile in "default" mode.
-    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"] = "reduce-overhead"
+    # torch.compile mode for the ddp engine: CUDA graphs ("reduce-overhead") measured fastest and correct at
+    # any accumulation (docs/benchmarks.md); DeepSpeed engines always compile in "default" mode. Not
+    # offered: max-autotune, whose autotuning had not finished after 6 minutes even at 128×192 clips and
+    # kept cuDNN for every large convolution anyway.
+    compile_mode: Literal["default", "reduce-overhead"] = "reduce-overhead"
     channels_last: bool = True  # (CUDA only)
     activation_checkpointing: bool = False
 
@@ -239,6 +247,9 @@ class IntervalConfig:
     ckpt_every: int = 2000
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
+    # samples.jsonl: the clip indices of every step (all ranks, in rank order), to check the data order;
+    # one small gather per step
+    record_samples: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What each task runs on the nodes: `python -m taehv_slurm.entry FOLDER`.
+"""What each task runs on the nodes: `python -m taehv_slurm.entry FOLDER [RUN_DIR]`.
 
 First it holds USR2 and SIGTERM (`startup_signals`): a time-limit warning or preemption that arrives
 while the task is still starting is kept for the training loop instead of ending the process.
@@ -7,7 +7,10 @@ submitit's own entry point loads the pickle it finds in FOLDER without asking wh
 one then sets an owner-only umask (so every log, metric, TensorBoard file and checkpoint the job
 writes is private; group-readable when the cluster config names a group), then refuses a pickle
 that another user could have written or replaced — one line naming the path and the fix, exit 2,
-nothing deleted — and only then hands over to submitit.
+nothing deleted — and only then hands over to submitit. RUN_DIR is the folder the run owns (`submit()`
+passes its run folder); without it, FOLDER itself (an executor folder made with `make_executor`).
+
+A task that raises exits 1 with its traceback printed once (submitit re-raises what it already logged).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from . import startup_signals
@@ -27,11 +31,12 @@ REFUSED_EXIT_CODE = 2
 def main(argv: list[str] | None = None) -> None:
     startup_signals.hold()  # first: submitit's import and the pickle's (torch) take seconds
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        sys.exit("usage: python -m taehv_slurm.entry SUBMITIT_FOLDER")
+    if len(args) not in (1, 2):
+        sys.exit("usage: python -m taehv_slurm.entry SUBMITIT_FOLDER [RUN_DIR]")
     # Before anything is written (submitit's result pickle, the trainer's files, a requeue's pickle).
     os.umask(umask_for(os.environ.get("TAEHV_SHARED_GROUP") or None))
     folder = Path(args[0])
+    run_dir = Path(args[1]) if len(args) == 2 else folder
     os.environ["SUBMITIT_FOLDER"] = str(folder)
 
     import submitit
@@ -47,13 +52,16 @@ def main(argv: list[str] | None = None) -> None:
             break
         time.sleep(1)
     try:
-        # The run folder (folder's parent) down to the pickle must be ours alone; folders above it
-        # must not be world-writable without the sticky bit.
-        check_safe_to_load(pickle, folder.parent)
+        check_safe_to_load(pickle, run_dir)
     except UnsafePathError as err:
         print(f"[taehv] {err}", file=sys.stderr, flush=True)
         sys.exit(REFUSED_EXIT_CODE)
-    process_job(folder)
+    try:
+        process_job(folder)
+    except Exception as err:  # submitit logged it and wrote it to the result pickle; print it once, exit 1
+        if not getattr(err, "taehv_reported", False):
+            traceback.print_exc()
+        sys.exit(1)
 
 
 if __name__ == "__main__":

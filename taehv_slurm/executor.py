@@ -18,23 +18,25 @@ from submitit.slurm import slurm as submitit_slurm
 
 from .config import ClusterConfig
 from .distenv import INHERITED_LAUNCHER_VARS
+from .local import LocalExecutor
+from .slurm import SCONTROL_ENV
 
 
-def _entry_command(python: str, folder: Path) -> str:
-    # Our entry point checks who can write the job folder before submitit loads its pickle.
-    return " ".join([python, "-u -m taehv_slurm.entry", shlex.quote(str(folder))])
+def entry_command(python: str, folder: Path, run_dir: Path | None = None) -> str:
+    """Each task's command: our entry point checks who can write the job folder before submitit loads
+    its pickle (run_dir: the folder the run owns, checked strictly; default the job folder)."""
+    return " ".join([python, "-u -m taehv_slurm.entry", shlex.quote(str(folder)),
+                     *([shlex.quote(str(run_dir))] if run_dir is not None else [])])
 
 
 class SlurmExecutor(submitit.SlurmExecutor):
+    def __init__(self, folder: Path, command: str, **kwargs: Any) -> None:
+        super().__init__(folder, **kwargs)
+        self.command = command
+
     @property
     def _submitit_command_str(self) -> str:
-        return _entry_command(self.python, Path(self.folder))
-
-
-class LocalExecutor(submitit.LocalExecutor):
-    @property
-    def _submitit_command_str(self) -> str:
-        return _entry_command(self.python, Path(self.folder))
+        return self.command
 
 
 def setup_lines(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = None) -> list[str]:
@@ -44,6 +46,8 @@ def setup_lines(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = No
         env["TAEHV_SHARED_GROUP"] = cluster.group
     # A job submitted from inside a launched process (a notebook under torchrun) must not inherit its rank.
     lines = [f"unset {' '.join(INHERITED_LAUNCHER_VARS)}"]
+    if cluster.backend == "slurm":  # found before the setup lines run: one that replaces PATH cannot hide it
+        lines.append(f'export {SCONTROL_ENV}="${{{SCONTROL_ENV}:-$(command -v scontrol)}}"')
     return lines + [f"export {name}={shlex.quote(str(value))}" for name, value in env.items()] + list(cluster.setup)
 
 
@@ -74,24 +78,28 @@ def slurm_parameters(cluster: ClusterConfig, extra_env: Mapping[str, str] | None
     return params
 
 
-def make_executor(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping[str, str] | None = None) -> submitit.Executor:
+def make_executor(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping[str, str] | None = None,
+                  run_dir: str | Path | None = None) -> submitit.Executor:
     """A submitit executor for `cluster.backend` with every field applied.
 
     slurm: sbatch on the cluster; local: real processes on this machine (one per task, like one
-    node); debug: in this process, for stepping through with a debugger.
+    node), under a controller that ends in Slurm's states (taehv_slurm.local); debug: in this process,
+    for stepping through with a debugger. run_dir: the folder the run owns, if not `folder` itself.
     """
     folder = Path(folder)
     python = cluster.python or shlex.quote(sys.executable)
+    command = entry_command(python, folder, Path(run_dir) if run_dir is not None else None)
     if cluster.backend == "slurm":
-        executor: submitit.Executor = SlurmExecutor(folder, max_num_timeout=cluster.max_requeues, python=python)
+        executor: submitit.Executor = SlurmExecutor(folder, command, max_num_timeout=cluster.max_requeues, python=python)
         executor.update_parameters(**slurm_parameters(cluster, extra_env))
         return executor
     if cluster.backend == "local":
-        executor = LocalExecutor(folder, max_num_timeout=cluster.max_requeues, python=python)
+        executor = LocalExecutor(folder, command, grace_s=float(cluster.kill_wait_s), max_restarts=cluster.max_requeues + 1,
+                                 python=python)
         executor.update_parameters(
             timeout_min=cluster.time_min,
             tasks_per_node=cluster.tasks_per_node,
-            gpus_per_node=cluster.gpus_per_node if _cuda_count() else 0,
+            gpus_per_node=cluster.gpus_per_node if gpus_here() else 0,
             signal_delay_s=cluster.signal_delay_s,
             stderr_to_stdout=True,
             setup=setup_lines(cluster, extra_env),
@@ -100,13 +108,13 @@ def make_executor(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping
     return submitit.DebugExecutor(folder)
 
 
-def sbatch_preview(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping[str, str] | None = None) -> str:
-    """The exact sbatch script `make_executor(cluster, folder)` submits (secrets never appear in it)."""
+def sbatch_preview(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping[str, str] | None = None,
+                   run_dir: str | Path | None = None) -> str:
+    """The exact sbatch script `make_executor(cluster, folder, extra_env, run_dir)` submits (secrets never appear in it)."""
     folder = Path(folder)
     python = cluster.python or shlex.quote(sys.executable)
-    return submitit_slurm._make_sbatch_string(
-        command=_entry_command(python, folder), folder=folder, **slurm_parameters(cluster, extra_env)
-    )
+    command = entry_command(python, folder, Path(run_dir) if run_dir is not None else None)
+    return submitit_slurm._make_sbatch_string(command=command, folder=folder, **slurm_parameters(cluster, extra_env))
 
 
 class SubmissionError(RuntimeError):
@@ -137,7 +145,16 @@ def describe_sbatch_error(text: str) -> str:
     return f"sbatch rejected the job: {reason}"
 
 
-def _cuda_count() -> int:
-    # The local backend hands GPUs to its tasks only where there are some; it must not import torch
-    # just to find out, so ask the driver's device files.
+def gpus_here() -> int:
+    """NVIDIA GPUs on this machine, from the driver's device files (no torch import on the submit path)."""
     return len(list(Path("/dev").glob("nvidia[0-9]*")))
+
+
+def task_device(cluster: ClusterConfig) -> str:
+    """Where the job's tasks compute: `device` from the config, or for `auto` cuda when each node has
+    GPUs — on the local and debug backends, when THIS machine has them."""
+    if cluster.device != "auto":
+        return cluster.device
+    if cluster.backend != "slurm" and not gpus_here():
+        return "cpu"
+    return "cuda" if cluster.gpus_per_node > 0 else "cpu"

@@ -24,20 +24,20 @@ import io
 import json
 import math
 import os
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import submitit
 
+from . import local, slurm
 from .config import ClusterConfig, load_cluster
 from .executor import SubmissionError, describe_sbatch_error, make_executor
 from .picklecheck import check_picklable
-from .requeue import EventLog, RequeueableTask
+from .requeue import EventLog, RequeueableTask, check_takes_context
+from .runlock import RunLock, describe_live
 from .security import check_safe_to_load, make_private_dir, private_umask
 
 if TYPE_CHECKING:  # only for annotations: importing pandas/matplotlib costs seconds
@@ -45,9 +45,6 @@ if TYPE_CHECKING:  # only for annotations: importing pandas/matplotlib costs sec
     from matplotlib.figure import Figure
 
 REGISTRY = "registry.jsonl"
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-                "DEADLINE", "PREEMPTED", "FINISHED", "INTERRUPTED", "DONE"}
-SUCCESS_STATES = {"COMPLETED", "FINISHED", "DONE"}
 # Columns first in `metrics()`, in this order (others follow as the trainer wrote them).
 METRIC_COLUMNS = ("step", "time", "event", "loss", "psnr", "samples_per_second", "lr", "gpu_memory_gb")
 
@@ -60,25 +57,33 @@ class JobControlError(RuntimeError):
     """A Slurm command on a job (scontrol requeue) failed; the message is one line."""
 
 
+class RunBusyError(RuntimeError):
+    """The run already has a live job; the message names it and how to follow, cancel or take over."""
+
+
 def default_run_name(prefix: str) -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
 
 
 def submit(task: Callable[..., Any], cluster: ClusterConfig, run_name: str | None = None, *,
            extra_env: Mapping[str, str] | None = None, requeueable: bool = True,
-           record: Mapping[str, Any] | None = None) -> JobHandle:
+           record: Mapping[str, Any] | None = None, force: bool = False) -> JobHandle:
     """Submit `task` (a picklable callable taking a RunContext) to `cluster`; returns its handle.
 
-    requeueable: wrap in RequeueableTask (save on signals, requeue, guards). `record` is stored in the
-    job registry beside the (secret-free) cluster config, e.g. the train config and plan.
+    requeueable: wrap in RequeueableTask (save on signals, requeue, guards); the task must take the
+    run context (`def task(ctx)`) and call `ctx.step_boundary(step, save)` at each step. `record` is
+    stored in the job registry beside the (secret-free) cluster config, e.g. the train config and
+    plan. A run name whose job is still pending or running is refused; force=True cancels that job
+    (it saves at the signal), waits for it to end, then submits.
     """
     return submit_many([task], cluster, [run_name] if run_name else None, extra_env=extra_env,
-                       requeueable=requeueable, records=[dict(record or {})])[0]
+                       requeueable=requeueable, records=[dict(record or {})], force=force)[0]
 
 
 def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run_names: Sequence[str] | None = None,
                 *, extra_env: Mapping[str, str] | None = None, requeueable: bool = True,
-                records: Sequence[Mapping[str, Any]] | None = None, group_name: str | None = None) -> list[JobHandle]:
+                records: Sequence[Mapping[str, Any]] | None = None, group_name: str | None = None,
+                force: bool = False) -> list[JobHandle]:
     """Submit several tasks at once: on Slurm a job array (one array task per run), each its own run folder.
 
     run_names name the run folders (inside the group folder for several tasks); records (one per task)
@@ -90,23 +95,34 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run
         raise ValueError(f"submit_many: {len(tasks)} tasks but {len(run_names)} run names")
     for task in tasks:  # before any folder exists: a failure leaves nothing behind
         check_picklable(task)
+        if requeueable:
+            check_takes_context(task)
+    base = Path(cluster.job_dir)
+    if len(tasks) == 1:
+        planned = [base / (run_names[0] if run_names else default_run_name(cluster.name))]
+    else:  # a sweep: <job_dir>/<group>/<run>/ with one submitit folder for the array
+        group_dir = base / (group_name or default_run_name(cluster.name))
+        planned = [group_dir / name for name in (run_names or [f"run{i}" for i in range(len(tasks))])]
+    take_over_runs(planned, base, force)
     job_dir = make_private_dir(cluster.job_dir, cluster.group)
     if len(tasks) == 1:
-        run_dirs = [job_dir / (run_names[0] if run_names else default_run_name(cluster.name))]
+        run_dirs = [job_dir / planned[0].relative_to(base)]
         folder = run_dirs[0] / "submitit"
-    else:  # a sweep: <job_dir>/<group>/<run>/ with one submitit folder for the array
-        group = make_private_dir(job_dir / (group_name or default_run_name(cluster.name)), cluster.group)
-        run_dirs = [group / name for name in (run_names or [f"run{i}" for i in range(len(tasks))])]
+        owner = run_dirs[0]
+    else:
+        group = make_private_dir(job_dir / planned[0].parent.relative_to(base), cluster.group)
+        run_dirs = [group / p.name for p in planned]
+        owner = group
         folder = group / "submitit"
     for path in [*run_dirs, folder]:
         make_private_dir(path, cluster.group)
-    check_safe_to_load(folder, folder.parent)  # what the job's entry point will check: refuse now, not once it runs
+    check_safe_to_load(folder, owner)  # what the job's entry point will check: refuse now, not once it runs
     wrapped = [
         RequeueableTask(t, d, cluster.max_requeues, cluster.max_requeues_without_progress,
                         cluster.requeue_on_failure, cluster.signal_delay_s, cluster.kill_wait_s) if requeueable else t
         for t, d in zip(tasks, run_dirs)
     ]
-    executor = make_executor(cluster, folder, extra_env)
+    executor = make_executor(cluster, folder, extra_env, run_dir=owner)
     # Taken before sbatch: events the job writes are never older than this (see JobHandle.events).
     submitted_at = time.time()
     try:
@@ -134,6 +150,41 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run
         EventLog(job_dir / REGISTRY).write("submitted", **entry)
         handles.append(JobHandle(job, run_dir, cluster, entry))
     return handles
+
+
+def take_over_runs(run_dirs: Sequence[Path], job_dir: Path, force: bool) -> None:
+    """Refuse a run whose job is still pending or running (registry) or holds its lock; with force,
+    cancel those jobs (they save at the signal) and wait until they have ended."""
+    live: list[tuple[Path, str, JobHandle | None]] = []
+    registry = read_registry(job_dir) if (job_dir / REGISTRY).exists() else []
+    for run_dir in run_dirs:
+        name = run_dir.relative_to(job_dir).as_posix()
+        ids = dict.fromkeys(r["job_id"] for r in registry if _record_run(r) == name)
+        for job_id in ids:
+            handle = JobHandle.attach(job_id, job_dir)
+            state = handle.state
+            if not slurm.is_final(state):
+                live.append((run_dir, f"job {job_id} ({state})", handle))
+        holder = RunLock(run_dir, "", "").holder()
+        busy = describe_live(holder) if holder else None
+        if busy and str(holder.get("job_id")) not in ids:
+            live.append((run_dir, busy, None))
+    if not live:
+        return
+    if not force:
+        run_dir, what, handle = live[0]
+        follow = f"follow it with `python -m jobs.logs {handle.job_id} --follow`, " if handle else ""
+        raise RunBusyError(f"run {run_dir.relative_to(job_dir)} already has {what}: {follow}cancel it with "
+                           f"`python -m jobs.cancel {handle.job_id if handle else '<job id>'}`, or pass --force to cancel "
+                           "it (it saves) and take over, or use another --name")
+    for run_dir, what, handle in live:
+        if handle is None:
+            raise RunBusyError(f"run {run_dir.relative_to(job_dir)} is trained by {what}, which was not submitted to "
+                               f"{job_dir}: cancel it where it was submitted, then submit again")
+        handle.cancel()
+    for _, _, handle in live:
+        if handle is not None:
+            handle.wait(progress=False, timeout_s=float(handle.cluster.kill_wait_s) + 300)
 
 
 @contextlib.contextmanager
@@ -245,15 +296,20 @@ class JobHandle:
     # ---------------------------------------------------------------------------------- state
     @property
     def state(self) -> str:
-        """Slurm's job state (PENDING, RUNNING, REQUEUED, COMPLETED, FAILED, CANCELLED, ...)."""
+        """The job's state, Slurm's names on every backend (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...)."""
         if self.cluster.backend == "slurm":
-            state = _squeue_state(self.job_id) or _sacct_state(self.job_id)
-            if state:
-                return state
+            return slurm.job_state(self.job_id) or "UNKNOWN"
+        if self.cluster.backend == "local":
+            return local.job_state(self.folder, self.job_id)["state"]
         return str(self.job.state).upper()
 
+    @property
+    def folder(self) -> Path:
+        """The submitit folder (pickles, rank logs)."""
+        return Path(self.record.get("folder") or self.job.paths.folder)
+
     def done(self) -> bool:
-        return _is_final(self.state)
+        return slurm.is_final(self.state)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 2.0, progress: bool = True,
              until_step: int | None = None) -> str:
@@ -269,7 +325,7 @@ class JobHandle:
                 state = self.state
                 step = self.last_step()
                 display.update(state, step, len(self.requeues))
-                if _is_final(state) or (until_step is not None and (step or 0) >= until_step):
+                if slurm.is_final(state) or (until_step is not None and (step or 0) >= until_step):
                     return state
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
                     raise TimeoutError(f"job {self.job_id} still {state} at step {step} after {timeout_s:.0f} s")
@@ -284,23 +340,30 @@ class JobHandle:
         return self.job.results()
 
     def cancel(self) -> None:
-        """Cancel the job. Slurm sends SIGTERM first, so the run saves its step before it ends."""
-        # Recorded so the save this SIGTERM triggers is not mistaken for a preemption (see `requeues`).
-        EventLog(self.run_dir / "events.jsonl").write("cancel", job_id=self.job_id)
-        self.job.cancel(check=False)
+        """Cancel the job. Its ranks get SIGTERM first, so the run saves its step before it ends (the
+        task records `cancelled`); submitting the run name again resumes from there."""
+        if self.cluster.backend == "local":
+            local.cancel(self.folder, self.job_id)
+        else:
+            self.job.cancel(check=False)
 
     def requeue(self) -> None:
         """Preempt the job as the scheduler would (`scontrol requeue`): it saves, requeues and resumes."""
         if self.cluster.backend != "slurm":
             raise JobControlError(f"job {self.job_id} runs on the {self.cluster.backend} backend; requeue needs Slurm")
-        out = subprocess.run(["scontrol", "requeue", self.job_id], capture_output=True, text=True, timeout=60)
-        if out.returncode != 0:
-            reason = (out.stderr or out.stdout).strip().splitlines()
-            raise JobControlError(f"scontrol requeue {self.job_id} failed: {reason[-1] if reason else out.returncode}")
+        answer = slurm.requeue(self.job_id)
+        if not answer.ok:
+            raise JobControlError(f"scontrol requeue {self.job_id} failed: {answer.error}")
 
     # ----------------------------------------------------------------------------------- logs
     def log_path(self, rank: int = 0) -> Path:
-        return Path(self.record.get("folder") or self.job.paths.folder) / f"{self.job_id}_{rank}_log.out"
+        return self.folder / f"{self.job_id}_{rank}_log.out"
+
+    def follow(self, rank: int = 0, out: TextIO | None = None, position: int = 0, poll_s: float = 1.0,
+               hide_tracebacks: bool = False) -> str:
+        """Print the rank's log from byte `position` as it grows until the job ends; returns the final state
+        (see `LogFollower`)."""
+        return LogFollower(self, rank, position, hide_tracebacks).run(out, poll_s)
 
     def tail(self, n: int = 20, rank: int = 0) -> str:
         """The last `n` lines of one rank's log (every requeued run appends to the same file)."""
@@ -334,24 +397,8 @@ class JobHandle:
         return begin, min(later, default=math.inf)
 
     def interruptions(self, run_wide: bool = False) -> list[dict[str, Any]]:
-        """Requeue events that really interrupted a run: each followed by a restart, or (the last one)
-        with the job not yet ended. A save on `cancel()` is labelled reason 'cancelled'."""
-        events = self.events(run_wide)
-        done: bool | None = None  # asked of Slurm only when needed
-        kept = []
-        for i, event in enumerate(events):
-            if event["event"] != "requeue":
-                continue
-            later = events[i + 1:]
-            restarted = any(e["event"] == "start" for e in later)
-            if not restarted:
-                done = self.done() if done is None else done
-                if done:
-                    continue  # the job ended here: no requeue happened
-            segment_start = max((j for j in range(i) if events[j]["event"] == "start"), default=-1)
-            cancelled = any(e["event"] == "cancel" for e in events[segment_start + 1:i + 1])
-            kept.append({**event, "reason": "cancelled"} if cancelled else event)
-        return kept
+        """The run's requeues as they happened (Slurm or the local controller accepted each one)."""
+        return [e for e in self.events(run_wide) if e["event"] == "requeue"]
 
     @property
     def requeues(self) -> pd.DataFrame:
@@ -359,8 +406,7 @@ class JobHandle:
         import pandas as pd
 
         columns = ["time", "segment", "reason", "step", "signal_to_saved_s", "seconds_lost"]
-        rows = [e for e in self.interruptions() if e.get("reason") != "cancelled"]
-        frame = pd.DataFrame(rows)
+        frame = pd.DataFrame(self.interruptions())
         for column in columns:
             if column not in frame:
                 frame[column] = pd.Series(dtype=float if column != "reason" else object)
@@ -385,9 +431,16 @@ class JobHandle:
 
     @property
     def error(self) -> str | None:
-        """The last failure recorded by a rank of this job ('RuntimeError: ...'), if any."""
-        failures = [e for e in self.events() if e["event"] == "failure"]
-        return failures[-1]["error"] if failures else None
+        """Why this job failed, in one line: a rank's error ('RuntimeError: ...'), a requeue Slurm refused,
+        or what the local controller saw; None when nothing failed."""
+        for event in reversed(self.events()):
+            if event["event"] == "failure":
+                return event["error"]
+            if event["event"] == "requeue_failed":
+                return f"saved step {event['step']} but could not requeue: {event['error']}; {event.get('fix', '')}".rstrip("; ")
+        if self.cluster.backend == "local":
+            return local.job_state(self.folder, self.job_id).get("error") or None
+        return None
 
     def last_step(self) -> int | None:
         """The last step rank 0 logged (reads only the end of metrics.jsonl)."""
@@ -420,24 +473,24 @@ class JobHandle:
         slurmdbd records a job's end a moment after squeue shows it: for up to `settle_s` seconds this
         waits until the accounting agrees that an ended job ended.
         """
-        frame = sacct_frame(self.job_id)
+        frame = slurm.sacct_frame(self.job_id)
         deadline = time.monotonic() + settle_s
         while self._accounting_behind(frame) and time.monotonic() < deadline:
             time.sleep(0.5)
-            frame = sacct_frame(self.job_id)
+            frame = slurm.sacct_frame(self.job_id)
         return frame
 
     def _accounting_behind(self, frame: pd.DataFrame) -> bool:
         alloc = frame[frame["JobID"] == self.job_id]["State"] if not frame.empty else []
-        if not len(alloc) or _is_final(str(alloc.iloc[-1])):
+        if not len(alloc) or slurm.is_final(str(alloc.iloc[-1])):
             return False  # no accounting here (or no record at all), or it has the end already
-        return _is_final(_squeue_state(self.job_id) or "PENDING")
+        return slurm.is_final(slurm.squeue_state(self.job_id) or "PENDING")
 
     def summary(self) -> dict[str, Any]:
         """One status row: id, run, state, step/total, requeues, swept values, and why it stopped or failed."""
         step, total = self.last_step(), self.total_steps
         state = self.state
-        note = self.stop_reason or (self.error if not _is_success(state) else None) or ""
+        note = self.stop_reason or (self.error if not slurm.is_success(state) else None) or ""
         requeues = self.requeues
         if not requeues.empty:
             note = note or "requeued at step " + ", ".join(str(int(s)) for s in requeues["step"])
@@ -520,78 +573,68 @@ def _final_row(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(row)
 
 
-# ------------------------------------------------------------------------------ Slurm queries
+class LogFollower:
+    """Prints a rank's log as it grows until the job ends; `position` is where it has read to, so a
+    caller interrupted (Ctrl-C) can go on from there. A requeued job appends each run to the same log,
+    so following keeps going across requeues. hide_tracebacks: each traceback becomes one line naming
+    the log that holds it (for a caller that prints the error once at the end)."""
+
+    def __init__(self, handle: JobHandle, rank: int = 0, position: int = 0, hide_tracebacks: bool = False) -> None:
+        self.handle, self.path, self.position = handle, handle.log_path(rank), position
+        self.filter = _TracebackFilter(self.path) if hide_tracebacks else None
+
+    def run(self, out: TextIO | None = None, poll_s: float = 1.0) -> str:
+        out = out or sys.stdout
+        while True:
+            state = self.handle.state  # read before the file: a job that just ended has written its last line
+            if self.path.exists():
+                with self.path.open("rb") as f:
+                    if f.seek(0, 2) < self.position:  # truncated or replaced (never by Slurm's append mode)
+                        self.position = 0
+                    f.seek(self.position)
+                    chunk = f.read()
+                    self.position = f.tell()
+                text = chunk.decode(errors="replace")
+                text = self.filter.feed(text) if self.filter else text
+                if text:
+                    out.write(text)
+                    out.flush()
+            if slurm.is_final(state):
+                return state
+            time.sleep(poll_s)
 
 
-def _is_final(state: str) -> bool:
-    return (state.split() or ["?"])[0] in FINAL_STATES
+class _TracebackFilter:
+    """Log text with each Python traceback (chained ones too) replaced by one line that says where it is."""
 
+    CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
-def _is_success(state: str) -> bool:
-    return (state.split() or ["?"])[0] in SUCCESS_STATES
+    def __init__(self, path: Path) -> None:
+        self.marker = f"[traceback hidden: the full text is in {path}]"
+        self.pending = ""  # an incomplete last line
+        self.inside = False
+        self.last = ""
 
-
-def _squeue_state(job_id: str) -> str | None:
-    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T"])
-    states = [s for s in out.split() if s] if out else []
-    return states[0] if states else None
-
-
-def _sacct_state(job_id: str) -> str | None:
-    frame = sacct_frame(job_id)
-    if frame.empty:
-        return None
-    rows = frame[frame["JobID"] == job_id]
-    return str(rows.iloc[-1]["State"]).split()[0] if not rows.empty else None
-
-
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "NTasks", "NodeList", "Submit", "Start", "End")
-
-
-def sacct_frame(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS) -> pd.DataFrame:
-    """sacct output as a DataFrame (empty when accounting is unavailable).
-
-    With --duplicates every run of a requeued job is its own allocation record (State REQUEUED for all
-    but the last): `Attempt` numbers them, and `attrs['requeues']` counts the REQUEUED ones of `job_id`.
-    """
-    import pandas as pd
-
-    fields = list(dict.fromkeys(["JobID", "State", *fields]))
-    cmd = ["sacct", "-P", "-n", "--duplicates", "-o", ",".join(fields)]
-    cmd += ["-j", job_id] if job_id else ["-S", "now-7days"]
-    out = _run(cmd)
-    rows = [line.split("|") for line in (out or "").splitlines() if line.strip()]
-    frame = pd.DataFrame([r for r in rows if len(r) == len(fields)], columns=fields)
-    runs: dict[str, int] = {}  # allocation records seen per job id (array tasks are their own jobs)
-    attempts = []
-    for jid in frame["JobID"]:
-        base = jid.split(".")[0]
-        if "." not in jid:  # an allocation record: the next attempt of that job
-            runs[base] = runs.get(base, -1) + 1
-        attempts.append(runs.get(base, 0))
-    frame["Attempt"] = attempts
-    if "Elapsed" in frame:
-        frame["ElapsedSeconds"] = frame["Elapsed"].map(_elapsed_seconds)
-    is_alloc = ~frame["JobID"].str.contains(".", regex=False)
-    mine = frame["JobID"] == job_id if job_id else is_alloc
-    frame.attrs["requeues"] = int((mine & is_alloc & frame["State"].str.startswith("REQUEUED")).sum())
-    return frame
-
-
-def _elapsed_seconds(text: str) -> float:
-    """sacct's [D-]HH:MM:SS (or MM:SS.mmm) as seconds."""
-    days, _, clock = text.rpartition("-")
-    parts = [float(p) for p in re.split(r":", clock) if p]
-    seconds = sum(v * 60 ** i for i, v in enumerate(reversed(parts)))
-    return seconds + (int(days) * 86400 if days else 0)
-
-
-def _run(cmd: list[str]) -> str | None:
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (FileNotFoundError, subprocess.TimeoutExpired):
-        return None
-    return result.stdout if result.returncode == 0 else None
+    def feed(self, text: str) -> str:
+        lines = (self.pending + text).split("\n")
+        self.pending = lines.pop()
+        kept = []
+        for line in lines:
+            if line.startswith("Traceback (most recent call last):") or line.startswith(self.CHAINED):
+                if not self.inside and self.last != self.marker:
+                    kept.append(self.marker)
+                    self.last = self.marker
+                self.inside = True
+            elif self.inside and (line.startswith((" ", "\t")) or not line.strip()):
+                continue
+            elif self.inside:
+                self.inside = False  # the exception's own line ends the traceback (printed once by the caller)
+            elif "Submitted job triggered an exception" in line:
+                continue  # submitit's own note of the same failure (once per handler)
+            elif line.strip() or self.last != self.marker:  # no blank line between chained tracebacks
+                kept.append(line)
+                self.last = line
+        return "".join(line + "\n" for line in kept)
 
 
 # ------------------------------------------------------------------------------------ progress

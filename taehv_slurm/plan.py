@@ -1,9 +1,16 @@
 """The scale plan: one training config → the settings for ANY number of nodes and GPUs.
 
-Pure functions, no I/O. The effective batch (per-GPU batch × world size × gradient accumulation) is
-held constant, so the optimisation is the same on 1 GPU or 1000 and a run can resume at another
-world size. What changes with the GPU count is only how the batch is split, the engine that fits,
-and the NCCL settings for the node count.
+Pure functions, no I/O. The effective batch E (samples per optimizer step) is held constant, so the
+optimisation is the same on 1 GPU or 1000 and a run can resume at another world size. What changes
+with the GPU count is only how the batch is split, the engine that fits, the loader and the NCCL
+settings for the node count.
+
+The split, for any world size W ≤ E: every rank takes ⌊E/W⌋ samples of each step and the first E mod W
+ranks one more (128 over 24 GPUs: 16 ranks × 5 + 8 ranks × 6). A rank cuts its share into micro-batches
+of at most `batch.per_gpu` (the last may be smaller); every rank runs the same number of them, the
+most any rank needs (DeepSpeed's ZeRO stages run collectives inside each micro-step, so a DeepSpeed
+rank with fewer samples pads with a micro-batch of weight 0). The trainer weights each micro-batch's
+loss by its samples / E, so one step's gradient is the mean over exactly E samples.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ REFERENCE_CLIP_ELEMENTS = 12 * 480 * 720
 # Activation checkpointing keeps about a third of the activations (the block inputs), measured shape.
 CHECKPOINTED_ACTIVATION_FRACTION = 0.35
 GPU_MEMORY_HEADROOM = 0.9  # leave 10 % for the allocator, NCCL buffers and compile workspaces
-# Raw-video loading, measured on a 16-core H200 host (bench/loader_throughput.py, prepare_throughput.py):
-# one CPU core decodes 6.4 clips/s of 12×480×720 H.264; one loader worker (with its decode threads)
-# delivers ~17 clips/s when 8 run at once. The trainer needs ~55 clips/s per H200 (docs/benchmarks.md).
-DECODE_CLIPS_PER_CORE = 6.4
-DECODE_CLIPS_PER_WORKER = 17.0
+# Loading, measured on a 16-core H100 host (bench/loader_throughput.py, bench/results/h100/): clips/s that
+# one loader worker delivers for each source at the reference clip (12×480×720) while 8 workers run at
+# once (video 15.2, synthetic 3.75, prepared 53.7; one worker alone: 21, 5.9, 97). Raw video: PyAV decode
+# with its threads; synthetic: rendered with numpy; prepared: shards from the page cache. The trainer
+# takes ~55 clips/s per H100/H200 (docs/benchmarks.md).
+CLIPS_PER_WORKER = {"video": 15.0, "synthetic": 3.7, "prepared": 53.0}
 TRAIN_CLIPS_PER_GPU = 55.0
+LOADER_HEADROOM = 1.25  # workers for 25 % more than the GPU takes: load times vary clip to clip
 
 NCCL_TIMEOUT_BY_NODES = ((1, 3600), (2, 7200), (8, 14400))  # (from this many nodes, seconds)
 
@@ -50,6 +59,8 @@ class ScalePlan:
     lr: float
     warmup_steps: int
     total_steps: int
+    min_share: int  # samples of one step on the ranks with the fewest (⌊E/W⌋)
+    ranks_with_extra: int  # the first E mod W ranks take min_share + 1
     engine: str
     engine_reason: str
     precision: str
@@ -61,17 +72,45 @@ class ScalePlan:
     log_every: int = 25
     val_every: int = 1000
     ckpt_every: int = 2000
-    samples_per_rank_per_step: int = 0
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def share(self, rank: int) -> int:
+        """Samples rank `rank` contributes to one optimizer step."""
+        return self.min_share + (1 if rank < self.ranks_with_extra else 0)
+
+    def first_sample(self, rank: int) -> int:
+        """Where rank `rank`'s share starts among the step's E samples (ranks take consecutive ranges)."""
+        return rank * self.min_share + min(rank, self.ranks_with_extra)
+
+    def microbatch_sizes(self, rank: int) -> list[int]:
+        """Rank `rank`'s micro-batches of one step: `per_gpu_batch` each, the last possibly smaller.
+
+        DeepSpeed engines get exactly `grad_accum` entries (0 = a padding micro-batch of weight 0);
+        the DDP engine runs only the micro-batches that hold samples.
+        """
+        share, size = self.share(rank), self.per_gpu_batch
+        sizes = [size] * (share // size) + ([share % size] if share % size else [])
+        if self.engine.startswith("zero"):
+            sizes += [0] * (self.grad_accum - len(sizes))
+        return sizes
+
+    def split_text(self) -> str:
+        """`128 = 16 ranks × 5 + 8 ranks × 6; micro-batch ≤ 4, 2 per step`."""
+        extra, even = self.ranks_with_extra, self.world_size - self.ranks_with_extra
+        parts = [f"{n} rank{'s' if n != 1 else ''} × {share}"
+                 for n, share in ((even, self.min_share), (extra, self.min_share + 1)) if n]
+        uneven = extra or self.min_share % self.per_gpu_batch
+        micro = f"micro-batch {'≤ ' if uneven else ''}{self.per_gpu_batch}, {self.grad_accum} per step"
+        return f"{self.effective_batch} = {' + '.join(parts)}; {micro}"
+
     def table(self) -> str:
         """A two-column table for `jobs.submit --dry-run` and notebooks."""
         rows = [
             ("GPUs", f"{self.world_size} = {self.num_nodes} node(s) × {self.gpus_per_node}"),
-            ("effective batch", f"{self.effective_batch} = {self.per_gpu_batch} per GPU × {self.world_size} GPUs × {self.grad_accum} accumulation"),
+            ("effective batch", self.split_text()),
             ("lr / warmup", f"{self.lr:.3g} / {self.warmup_steps} steps (of {self.total_steps})"),
             ("engine", f"{self.engine} ({self.engine_reason})"),
             ("precision", self.precision),
@@ -99,7 +138,7 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
         raise ConfigError(f"gpus_per_node must be ≥ 0, got {gpus_per_node}")
     ranks_per_node = max(1, gpus_per_node)
     world = num_nodes * ranks_per_node
-    per_gpu, accum = _split_batch(cfg, world, ranks_per_node)
+    per_gpu, accum = _split_batch(cfg, world, ranks_per_node, num_nodes)
 
     states_gb = {name: _state_bytes(name, cfg, world) / 1e9 for name in ENGINE_RELATIVE_SPEED}
     act_gb = _activation_gb(cfg, per_gpu)
@@ -134,14 +173,7 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
         if num_nodes > 1:
             nccl_env["NCCL_IB_TIMEOUT"] = "22"  # longer IB retry window on large fabrics
 
-    workers, prefetch = _loader_settings(cfg, cpus_per_task)
-    notes = []
-    if cfg.data.source == "video" and on_gpu:
-        pixels = cfg.data.frames * cfg.data.height * cfg.data.width / REFERENCE_CLIP_ELEMENTS
-        cores = TRAIN_CLIPS_PER_GPU * pixels / DECODE_CLIPS_PER_CORE
-        if cores > (cpus_per_task or 8):
-            notes.append(f"decoding raw video needs ≈{cores:.0f} CPU cores per GPU to keep up "
-                         f"(cpus_per_task={cpus_per_task or 8}): prepare the data once with `python -m jobs.prepare`")
+    workers, prefetch, notes = _loader_settings(cfg, cpus_per_task, on_gpu)
     scale = _lr_scale(cfg)
     return ScalePlan(
         num_nodes=num_nodes,
@@ -150,6 +182,8 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
         per_gpu_batch=per_gpu,
         grad_accum=accum,
         effective_batch=cfg.batch.effective,
+        min_share=cfg.batch.effective // world,
+        ranks_with_extra=cfg.batch.effective % world,
         lr=cfg.optim.lr * scale,
         warmup_steps=cfg.optim.warmup_steps,
         total_steps=cfg.steps,
@@ -164,37 +198,31 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
         log_every=cfg.intervals.log_every,
         val_every=cfg.intervals.val_every,
         ckpt_every=cfg.intervals.ckpt_every,
-        samples_per_rank_per_step=per_gpu * accum,
         notes=notes,
     )
 
 
-def valid_gpu_counts(effective_batch: int, near: int, multiple_of: int = 1, count: int = 2) -> list[int]:
-    """GPU counts that split `effective_batch` evenly, nearest to `near` (multiples of `multiple_of`)."""
-    candidates = [w for w in range(multiple_of, effective_batch + 1, multiple_of) if effective_batch % w == 0]
-    return sorted(sorted(candidates, key=lambda w: (abs(w - near), w))[:count])
-
-
-def _split_batch(cfg: TrainConfig, world: int, ranks_per_node: int) -> tuple[int, int]:
+def _split_batch(cfg: TrainConfig, world: int, ranks_per_node: int, num_nodes: int) -> tuple[int, int]:
+    """(largest micro-batch, micro-batches per step) for `world` ranks; see the module docstring."""
     effective, cap, accum = cfg.batch.effective, cfg.batch.per_gpu, cfg.batch.grad_accum
-    if effective % world:
-        nearest = valid_gpu_counts(effective, world, ranks_per_node) or valid_gpu_counts(effective, world)
-        alternatives = sorted({world * k for k in (max(1, effective // world), -(-effective // world))})
+    if world > effective:
+        most_nodes = effective // ranks_per_node
+        fewer = f"{most_nodes} node(s) × {ranks_per_node} = {most_nodes * ranks_per_node} GPUs" if most_nodes else f"{effective} GPUs"
         raise ConfigError(
-            f"effective batch {effective} cannot be split evenly over {world} GPUs: use "
-            f"{' or '.join(map(str, nearest))} GPUs, or set batch.effective to "
-            f"{' or '.join(map(str, alternatives))} (a multiple of {world})"
+            f"effective batch {effective} cannot be split over {world} GPUs ({num_nodes} node(s) × {ranks_per_node}): "
+            f"each rank needs at least one sample per step; use at most {fewer}, or set batch.effective to "
+            f"{world} or more (another run: lr follows optim.lr_scaling)"
         )
-    per_rank = effective // world  # samples each rank contributes to one optimizer step
+    largest_share = -(-effective // world)
     if accum is not None:
-        if per_rank % accum:
+        if accum > largest_share:
             raise ConfigError(
-                f"batch.grad_accum={accum} does not divide the {per_rank} samples per GPU per step "
-                f"({effective} over {world} GPUs): remove batch.grad_accum or use a divisor of {per_rank}"
+                f"batch.grad_accum={accum} asks for more micro-batches than the {largest_share} samples a rank takes "
+                f"per step ({effective} over {world} GPUs): remove batch.grad_accum or set it to at most {largest_share}"
             )
-        return per_rank // accum, accum
-    per_gpu = max(d for d in range(1, min(cap, per_rank) + 1) if per_rank % d == 0)
-    return per_gpu, per_rank // per_gpu
+        return -(-largest_share // accum), accum
+    per_gpu = min(cap, largest_share)
+    return per_gpu, -(-largest_share // per_gpu)
 
 
 def taehv_param_count(cfg: TrainConfig) -> int:
@@ -238,20 +266,28 @@ def _activation_gb(cfg: TrainConfig, per_gpu: int) -> float:
     return gb
 
 
-def _loader_settings(cfg: TrainConfig, cpus_per_task: int | None) -> tuple[int, int]:
+def _loader_settings(cfg: TrainConfig, cpus_per_task: int | None, on_gpu: bool) -> tuple[int, int, list[str]]:
+    """(workers per rank, prefetch per worker, notes): enough workers to feed the GPU at the measured
+    per-worker rate of the source, out of the rank's CPUs (one core drives the GPU)."""
     d = cfg.data
-    spare = max(0, (cpus_per_task or 8) - 1)  # one core drives the GPU
-    if d.source == "video":
+    cpus = cpus_per_task or 8
+    spare = max(0, cpus - 1)
+    notes = []
+    if on_gpu:
         pixels = d.frames * d.height * d.width / REFERENCE_CLIP_ELEMENTS
-        wanted = math.ceil(TRAIN_CLIPS_PER_GPU * pixels / DECODE_CLIPS_PER_WORKER)
-        auto_workers, auto_prefetch = min(spare, max(1, wanted)), 4
-    elif d.source == "prepared":
-        auto_workers, auto_prefetch = min(spare, 2), 4
-    else:
-        auto_workers, auto_prefetch = (min(spare, 2) if d.height * d.width >= 256 * 256 else 0), 2
+        wanted = max(1, math.ceil(TRAIN_CLIPS_PER_GPU * pixels * LOADER_HEADROOM / CLIPS_PER_WORKER[d.source]))
+        auto_workers = min(spare, wanted)
+        if d.num_workers is None and wanted > spare:
+            fix = {"video": "or prepare the data once with `python -m jobs.prepare`",
+                   "synthetic": "(synthetic clips are rendered on the CPU; prepared data needs far fewer)",
+                   "prepared": "or read the shards from faster storage"}[d.source]
+            notes.append(f"the loader needs ≈{wanted + 1} CPU cores per GPU to keep the GPU busy "
+                         f"(cpus_per_task={cpus} gives {auto_workers} workers): raise cpus_per_task {fix}")
+    else:  # the CPU trains far slower than it loads: a couple of workers, none for tiny clips
+        auto_workers = min(spare, 2) if d.height * d.width >= 256 * 256 or d.source == "video" else 0
+    prefetch = d.prefetch_factor if d.prefetch_factor is not None else 4
     workers = d.num_workers if d.num_workers is not None else auto_workers
-    prefetch = d.prefetch_factor if d.prefetch_factor is not None else auto_prefetch
-    return workers, prefetch
+    return workers, prefetch, notes
 
 
 def _lr_scale(cfg: TrainConfig) -> float:

@@ -93,11 +93,16 @@ def _restrict(folder: Path, gid: int | None) -> None:
 
 
 def check_safe_to_load(path: str | os.PathLike, root: str | os.PathLike | None = None) -> None:
-    """Refuse to load `path` unless it and every folder from `root` down to it belong to this user and
-    are writable by nobody else; folders above `root` must not be writable by everyone unless sticky
-    (like /tmp), checked both as written and with symbolic links resolved.
+    """Refuse to load `path` unless it could only have been written by this user.
 
-    Raises UnsafePathError with one line naming the path and the fix; nothing is changed or deleted.
+    One rule for every load (a job's pickle, a checkpoint): `root` is the folder the run owns (default:
+    the folder holding `path`); it and everything inside it down to `path` must belong to this user and
+    be writable by nobody else. Folders above `root` may be anyone's, but one that everyone may write
+    without the sticky bit (/tmp has it) is refused: anyone could have swapped what lies below it. Both
+    are checked as written and with symbolic links resolved.
+
+    Raises UnsafePathError with one line naming the path and the fix; nothing is changed or deleted,
+    and no message advises changing a folder that is not this user's.
     """
     path = Path(path).absolute()
     root_path = Path(root).absolute() if root is not None else path.parent
@@ -125,10 +130,11 @@ def check_safe_to_load(path: str | os.PathLike, root: str | os.PathLike | None =
     for item in above:
         st = item.stat()
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-            raise UnsafePathError(
-                f"refusing to load {path}: {item} is writable by everyone without the sticky bit "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); run `chmod o-w {item}` or move the run folder"
-            )
+            fix = (f"run `chmod o-w {item}` or move the run folder" if st.st_uid == uid else
+                   f"move the run folder out of it (job_dir, or the executor folder) to a folder of your own; "
+                   f"{item} belongs to {_user(st.st_uid)}")
+            raise UnsafePathError(f"refusing to load {path}: {item} is writable by everyone without the sticky bit "
+                                  f"(mode {stat.S_IMODE(st.st_mode):04o}); {fix}")
 
 
 def write_private(path: str | os.PathLike, data: bytes | str) -> None:

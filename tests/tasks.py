@@ -16,12 +16,77 @@ class CrashAfterStart:
 
 
 class StopAtFirstBoundary:
-    """Starts at step 0 and, like the trainer, asks at the first step boundary whether to stop."""
+    """Starts at step 0 and, like the trainer, passes its first step boundary."""
 
     def __call__(self, ctx: Any) -> str:
         ctx.started(0)
-        reason = ctx.should_stop()
-        if reason:
-            ctx.requeue_after_save(0, reason)  # nothing trained: the saved state is the one it started from
+        ctx.step_boundary(0, lambda: None)  # nothing trained: the saved state is the one it started from
         ctx.finished(0)
         return "trained"
+
+
+def _save_count(checkpoints: Checkpointer, step: int) -> None:
+    checkpoints.save({"step": step}, step)
+
+
+class CountingTask:
+    """The requeue machinery without a model: each step is a short sleep, saved like the trainer saves.
+
+    Resumes from its checkpoint, calls `ctx.step_boundary` at every step, appends every finished step to
+    `steps.txt` in the run folder (so a test sees each step once), and finishes at `steps`.
+    ignore_warning: drop USR2, as on a site whose time-limit warning never arrives.
+    pause_at: at that step, write `paused` in the run folder and wait at the step boundary (still
+    handling signals) until a test creates `release` there — so a signal lands while the job runs.
+    steps_after_restart: a restarted run finishes that many steps after where it resumed (at most `steps`).
+    """
+
+    def __init__(self, steps: int, step_s: float = 0.1, ignore_warning: bool = False, pause_at: int | None = None,
+                 steps_after_restart: int | None = None) -> None:
+        self.steps, self.step_s, self.ignore_warning, self.pause_at = steps, step_s, ignore_warning, pause_at
+        self.steps_after_restart = steps_after_restart
+
+    def __call__(self, ctx: Any) -> int:
+        import functools
+        import signal
+        import time
+
+        if self.ignore_warning:
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+        checkpoints = Checkpointer(ctx.run_dir / "checkpoints", keep=2)
+        step = checkpoints.latest_step() or 0
+        ctx.started(step)
+        last = self.steps
+        if self.steps_after_restart is not None and ctx.env.restart_count > 0:
+            last = min(last, step + self.steps_after_restart)
+        while step < last:
+            ctx.step_boundary(step, functools.partial(_save_count, checkpoints, step))
+            if step == self.pause_at and not (ctx.run_dir / "release").exists():
+                (ctx.run_dir / "paused").touch()
+                time.sleep(0.1)
+                continue
+            time.sleep(self.step_s)
+            step += 1
+            with open(ctx.run_dir / "steps.txt", "a") as f:
+                f.write(f"{step}\n")
+        _save_count(checkpoints, step)
+        ctx.finished(step)
+        return step
+
+
+class NeverPolls:
+    """Takes the run context but never reaches a step boundary: it cannot save at a signal."""
+
+    def __call__(self, ctx: Any) -> None:
+        import time
+
+        ctx.started(0)
+        time.sleep(3600)
+
+
+def train_ignoring_the_context(name: str, ctx: Any) -> dict:
+    """A user's function that builds and runs the trainer itself and never looks at `ctx`."""
+    from tests.helpers import tiny_train
+    from trainer.train import TrainTask
+
+    train = tiny_train(steps=30, name=name, **{"intervals.log_every": 1})
+    return TrainTask(train.to_dict(), {"device": "cpu", "torch_threads": 1})()

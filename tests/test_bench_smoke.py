@@ -46,8 +46,20 @@ def test_train_throughput_smoke(tmp_path: Path) -> None:
 
 def test_loader_throughput_smoke(tmp_path: Path) -> None:
     _, result = run_smoke("loader_throughput.py", tmp_path / "loader.json")
-    assert [row["workers"] for row in result["rows"] if row["source"] == "video"] == [0, 1]
-    assert all(row["clips_per_s"] > 0 and row["workers_per_gpu_for_goal"] > 0 for row in result["rows"])
+    for source in ("video", "prepared", "synthetic"):  # shards written by jobs.prepare from real H.264 files
+        assert [row["workers"] for row in result["rows"] if row["source"] == source] == [0, 1]
+    assert all(row["clips_per_s"] > 0 for row in result["rows"])
+
+
+def test_end_to_end_throughput_smoke(tmp_path: Path) -> None:
+    # Videos → jobs.prepare with a HunyuanVideo-architecture teacher → jobs.submit --local for each
+    # source, beside the isolated step: the path whose GPU figures docs/benchmarks.md leads with.
+    run, result = run_smoke("e2e_throughput.py", tmp_path / "e2e.json", timeout=600)
+    assert [row["source"] for row in result["rows"]] == ["prepared", "video", "synthetic"]
+    for row in result["rows"]:
+        assert row["exit"] == 0 and row["clips_per_s"] > 0 and row["isolated_clips_per_s"] > 0
+        assert 0 <= row["data_wait"] <= 1 and row["steps_measured"] >= 1
+    assert "e2e clips/s" in run.stdout
 
 
 def test_requeue_signal_smoke(tmp_path: Path) -> None:

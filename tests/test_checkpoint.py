@@ -59,8 +59,37 @@ def test_load_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     ckpt.save(state_for(3, 0.01), 3)
     (tmp_path / "step_00000003" / "state.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CheckpointError) as err:
-        ckpt.load_latest()
+        ckpt.load(3)
     assert "delete that folder" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_resumes(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, keep=3)
+    for step in (10, 20):
+        ckpt.save(state_for(step, 0.01), step)
+    newest = tmp_path / "step_00000020" / "state.pt"
+    whole = newest.read_bytes()
+    newest.write_bytes(whole[: len(whole) // 2])  # cut short, as by a full disk or a kill during a copy
+    step, state, _ = ckpt.load_latest()
+    assert step == 10 and state["optimizer_step"] == 10
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("step_00000020.damaged-")]
+    assert len(aside) == 1 and (aside[0] / "state.pt").read_bytes() == whole[: len(whole) // 2]  # kept, unchanged
+    assert (tmp_path / "latest").read_text().strip() == "step_00000010"
+    assert len(ckpt.moved_aside) == 1 and "\n" not in ckpt.moved_aside[0]
+    assert ckpt.moved_aside[0].startswith("checkpoint step 20 is damaged (state.pt is damaged")
+    assert "resuming from step 10" in ckpt.moved_aside[0]
+    assert Checkpointer(tmp_path).steps() == [10]  # the damaged one is no longer a checkpoint
+    ckpt.save(state_for(30, 0.01), 30)  # and saving goes on past it
+    assert ckpt.load_latest()[0] == 30 and aside[0].exists()
+
+
+def test_only_damaged_checkpoints_start_from_scratch(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(state_for(5, 0.01), 5)
+    (tmp_path / "step_00000005" / "meta.json").write_text('{"step": 5, "sav')
+    assert ckpt.load_latest() is None
+    assert "no older checkpoint: starting from step 0" in ckpt.moved_aside[0]
+    assert not (tmp_path / "latest").exists()
 
 
 # A zygote process imports torch once, never starts a thread pool, and forks one writer per trial

@@ -26,7 +26,7 @@ from trainer.data import (
     GlobalOrder,
     SyntheticClips,
     VideoFolderClips,
-    step_batches,
+    microbatches,
     step_indices,
 )
 
@@ -204,10 +204,10 @@ def test_video_source_pickles_and_works_in_workers(video_dir: Path) -> None:
     clone = pickle.loads(pickle.dumps(clips))
     assert clone.windows == clips.windows and torch.equal(clone[3]["frames"], clips[3]["frames"])
     order = GlobalOrder(len(clips), seed=1)
-    got = [(s, mb) for (s, mb), _ in zip(step_batches(clips, order, 0, 2, 1, 1, 0, num_workers=2), range(3))]
-    ref = [(s, mb) for (s, mb), _ in zip(step_batches(clips, order, 0, 2, 1, 1, 0, num_workers=0), range(3))]
-    for (s1, a), (s2, b) in zip(got, ref):
-        assert s1 == s2 and torch.equal(a[0]["frames"], b[0]["frames"]) and torch.equal(a[0]["index"], b[0]["index"])
+    got = [mb for mb, _ in zip(microbatches(clips, order, 0, 2, 0, [2], num_workers=2), range(3))]
+    ref = [mb for mb, _ in zip(microbatches(clips, order, 0, 2, 0, [2], num_workers=0), range(3))]
+    for a, b in zip(got, ref):
+        assert torch.equal(a["frames"], b["frames"]) and torch.equal(a["index"], b["index"])
 
 
 # ------------------------------------------------------------------------------------------------ order
@@ -233,33 +233,42 @@ def test_order_is_pinned() -> None:
     assert [GlobalOrder(10, seed=0).item_at(p) for p in range(10)] == [5, 7, 1, 4, 2, 8, 0, 6, 3, 9]
 
 
-LAYOUTS = [  # (world_size, grad_accum, per_gpu_batch), all with effective batch 16
-    (1, 4, 4), (2, 2, 4), (4, 1, 4), (8, 1, 2),
-]
+def rank_layouts(world: int, effective: int, per_gpu: int, engine: str = "ddp") -> list[tuple[int, list[int]]]:
+    """(first sample, micro-batch sizes) of every rank, from the plan as the trainer gets it."""
+    from taehv_slurm.plan import plan_for
+
+    plan = plan_for(world, 1, {"batch": {"effective": effective, "per_gpu": per_gpu}, "engine": {"kind": engine}},
+                    device="cpu")
+    return [(plan.first_sample(r), plan.microbatch_sizes(r)) for r in range(world)]
 
 
 @pytest.mark.parametrize("step", [0, 1, 6, 13])
 def test_step_contents_do_not_depend_on_the_gpu_layout(step: int) -> None:
     order = GlobalOrder(37, seed=11)  # not a multiple of 16: steps straddle epochs
     stream = [order.item_at(p) for p in range(step * 16, (step + 1) * 16)]
-    for world, accum, batch in LAYOUTS:
-        assert batch * accum * world == 16
+    for world, per_gpu in [(1, 4), (2, 4), (3, 4), (4, 4), (5, 2), (7, 3), (8, 2), (16, 1)]:  # 3, 5, 7: uneven
         got = []
-        for rank in range(world):
-            micro = step_indices(order, step, batch, accum, world, rank)
-            assert len(micro) == accum and all(len(m) == batch for m in micro)
+        for first, sizes in rank_layouts(world, 16, per_gpu):
+            micro = step_indices(order, step, 16, first, sizes)
+            assert [len(m) for m in micro] == sizes
             got += [i for m in micro for i in m]
-        assert sorted(got) == sorted(stream), (world, accum, batch)
-    # and with one GPU and no accumulation the micro-batch *is* the stream, in order
-    assert step_indices(order, step, 16, 1, 1, 0) == [stream]
+        assert got == stream, (world, per_gpu)  # every clip of the step once, in stream order over the ranks
+    # and with one GPU and one micro-batch the micro-batch *is* the stream
+    assert step_indices(order, step, 16, 0, [16]) == [stream]
+
+
+def test_a_padding_micro_batch_repeats_the_last_sample() -> None:
+    order = GlobalOrder(10, seed=0)
+    micro = step_indices(order, 0, 8, 4, [4, 0])
+    assert len(micro[1]) == 1 and micro[1][0] == micro[0][-1]
 
 
 def test_step_indices_rejects_bad_layouts() -> None:
     order = GlobalOrder(10, seed=0)
     with pytest.raises(ValueError):
-        step_indices(order, 0, 4, 1, 2, 2)
+        step_indices(order, 0, 4, 2, [3])  # past the end of the step
     with pytest.raises(ValueError):
-        step_indices(order, 0, 0, 1, 1, 0)
+        step_indices(order, 0, 4, 0, [])
 
 
 # -------------------------------------------------------------------------------------------- batching
@@ -273,42 +282,40 @@ def _take(it, n: int) -> list:
 
 def _assert_same_batches(a: list, b: list) -> None:
     assert len(a) == len(b)
-    for (s1, m1), (s2, m2) in zip(a, b):
-        assert s1 == s2 and len(m1) == len(m2)
-        for x, y in zip(m1, m2):
-            assert x.keys() == y.keys()
-            assert torch.equal(x["index"], y["index"]) and torch.equal(x["frames"], y["frames"])
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        assert torch.equal(x["index"], y["index"]) and torch.equal(x["frames"], y["frames"])
 
 
 TINY_CLIPS = ClipSpec(frames=4, height=16, width=16)
 
 
-def test_step_batches_shapes_and_indices() -> None:
+def test_microbatches_shapes_and_indices() -> None:
     source = SyntheticClips(10, TINY_CLIPS)
     order = GlobalOrder(len(source), seed=5)
-    step, micro = next(step_batches(source, order, 2, per_gpu_batch=3, grad_accum=2, world_size=2, rank=1))
-    assert step == 2 and len(micro) == 2
-    for a, mb in enumerate(micro):
-        assert mb["frames"].dtype == torch.uint8 and mb["frames"].shape == (3, 4, 3, 16, 16)
+    first, sizes = rank_layouts(3, 7, 2)[2]  # shares 3, 2, 2: rank 2 takes samples 5-6 of each step
+    micro = _take(microbatches(source, order, 2, 7, first, sizes), 2 * len(sizes))
+    expected = step_indices(order, 2, 7, first, sizes) + step_indices(order, 3, 7, first, sizes)
+    assert [mb["index"].tolist() for mb in micro] == expected
+    for mb in micro:
+        assert mb["frames"].dtype == torch.uint8 and mb["frames"].shape[1:] == (4, 3, 16, 16)
         assert mb["index"].dtype == torch.long
-        assert mb["index"].tolist() == step_indices(order, 2, 3, 2, 2, 1)[a]
         for j, idx in enumerate(mb["index"].tolist()):
             assert torch.equal(mb["frames"][j], source[idx]["frames"])
 
 
 def test_resume_yields_exactly_the_uninterrupted_batches() -> None:
     source = SyntheticClips(7, TINY_CLIPS)
-    order = GlobalOrder(len(source), seed=2)
-    full = _take(step_batches(source, order, 0, 2, 2, 2, 1), 6)
-    resumed = _take(step_batches(source, GlobalOrder(len(source), seed=2), 4, 2, 2, 2, 1), 2)
-    _assert_same_batches(full[4:], resumed)
+    full = _take(microbatches(source, GlobalOrder(len(source), seed=2), 0, 8, 4, [2, 2]), 12)
+    resumed = _take(microbatches(source, GlobalOrder(len(source), seed=2), 4, 8, 4, [2, 2]), 4)
+    _assert_same_batches(full[8:], resumed)
 
 
 def test_workers_yield_the_same_stream() -> None:
     source = SyntheticClips(9, TINY_CLIPS, seed=1)
     order = GlobalOrder(len(source), seed=0)
-    single = _take(step_batches(source, order, 3, 2, 2, 1, 0, num_workers=0), 4)
-    workers = _take(step_batches(source, order, 3, 2, 2, 1, 0, num_workers=2, prefetch_factor=2), 4)
+    single = _take(microbatches(source, order, 3, 4, 0, [2, 2], num_workers=0), 8)
+    workers = _take(microbatches(source, order, 3, 4, 0, [2, 2], num_workers=2, prefetch_factor=2), 8)
     _assert_same_batches(single, workers)
 
 
@@ -320,15 +327,14 @@ def test_extra_tensor_fields_are_stacked() -> None:
             return item
 
     source = WithLatents(5, TINY_CLIPS)
-    _, micro = next(step_batches(source, GlobalOrder(5, seed=0), 0, 3, 1, 1, 0))
-    mb = micro[0]
+    mb = next(microbatches(source, GlobalOrder(5, seed=0), 0, 3, 0, [3]))
     assert mb["latents"].shape == (3, 1, 4, 2, 2)
     assert mb["latents"][:, 0, 0, 0, 0].tolist() == [float(i) for i in mb["index"].tolist()]
 
 
 def test_order_size_must_match_source() -> None:
     with pytest.raises(ValueError, match="GlobalOrder"):
-        next(step_batches(SyntheticClips(5, TINY_CLIPS), GlobalOrder(6, seed=0), 0, 1, 1, 1, 0))
+        next(microbatches(SyntheticClips(5, TINY_CLIPS), GlobalOrder(6, seed=0), 0, 1, 0, [1]))
 
 
 def test_synthetic_source_is_not_affected_by_global_rng() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.engine import make_engine
+from trainer.engine import Microbatch, make_engine
 from trainer.losses import DistillModule
 from trainer.model import TAEHV, TAEHVConfig
 
@@ -34,16 +34,21 @@ def engine(kind: str):
                        weight_decay=0.01, compile=False, per_gpu_batch=2, grad_accum=2)
 
 
-def batch(seed: int):
+def batch(seed: int) -> Microbatch:
+    """Two clips: half of a 4-clip step."""
     g = torch.Generator().manual_seed(seed)
     frames = torch.randint(0, 256, (2, 8, 3, 32, 32), dtype=torch.uint8, generator=g)
-    return frames, torch.randn(2, 2, 16, 4, 4, generator=g) * 0.1
+    return Microbatch(frames, torch.randn(2, 2, 16, 4, 4, generator=g) * 0.1, 0.5)
+
+
+def loss_of(step) -> float:
+    return step.means()["loss"]
 
 
 @pytest.mark.parametrize("kind", ENGINES)
 def test_engine_trains_and_hands_its_state_to_every_other_engine(kind: str) -> None:
     source = engine(kind)
-    losses = [source.train_step([batch(2 * s), batch(2 * s + 1)], 1e-3)["loss"] for s in range(3)]
+    losses = [loss_of(source.train_step([batch(2 * s), batch(2 * s + 1)], 1e-3)) for s in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))
     state = source.full_state()
     assert state["optimizer_step"] == 3 and state["exp_avg"] and set(state["params"]) == set(state["exp_avg"])
@@ -56,11 +61,11 @@ def test_engine_trains_and_hands_its_state_to_every_other_engine(kind: str) -> N
             for name, value in state[key].items():
                 torch.testing.assert_close(moved[key][name], value, rtol=0, atol=0, msg=f"{kind}→{other} {key} {name}")
         # and it keeps training from there: the next step is the same whichever engine takes it
-        after = target.train_step([batch(100), batch(101)], 1e-3)["loss"]
+        after = loss_of(target.train_step([batch(100), batch(101)], 1e-3))
         assert after == pytest.approx(source_next_loss(state), rel=1e-5)
 
 
 def source_next_loss(state) -> float:
     reference = engine("ddp")
     reference.load_full_state(state)
-    return reference.train_step([batch(100), batch(101)], 1e-3)["loss"]
+    return loss_of(reference.train_step([batch(100), batch(101)], 1e-3))

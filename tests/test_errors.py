@@ -68,10 +68,11 @@ CONFIG_CASES = {
     "unknown-key": ("typo.yaml", "nodse: 2\n", ["--cluster", "typo.yaml"]),
     "unknown-set-key": (None, None, ["--set", "nodez=2"]),
     "wrong-type": (None, None, ["--set", "nodes=two"]),
-    "batch-split": (None, None, ["--nodes", "3"]),
+    "batch-split": (None, None, ["--nodes", "17"]),
     "batch-memory": (None, None, ["--set", "batch.per_gpu=64", "--set", "batch.effective=512"]),
     "tasks-gpus-mismatch": (None, None, ["--set", "tasks_per_node=16"]),
     "time-limit-too-short": (None, None, ["--set", "time_min=4"]),
+    "signal-delay-too-short": (None, None, ["--set", "signal_delay_s=0"]),
 }
 
 

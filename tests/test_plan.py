@@ -1,11 +1,21 @@
-"""The scale plan for any GPU count: effective batch held, engine by memory, NCCL by node count."""
+"""The scale plan for any GPU count: effective batch held (split unevenly where it must), engine by
+memory, loader by the measured per-worker rates, NCCL by node count."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
 from taehv_slurm.config import ConfigError, load_train
-from taehv_slurm.plan import plan_for, taehv_param_count, valid_gpu_counts
+from taehv_slurm.plan import (
+    CLIPS_PER_WORKER,
+    LOADER_HEADROOM,
+    REFERENCE_CLIP_ELEMENTS,
+    TRAIN_CLIPS_PER_GPU,
+    plan_for,
+    taehv_param_count,
+)
 
 
 @pytest.fixture(scope="module")
@@ -15,17 +25,33 @@ def real():
     return load_train(Path(__file__).resolve().parents[1] / "configs/train/taehv.yaml")
 
 
+def check_split(plan) -> None:
+    """Every sample of a step is taken exactly once, shares differ by at most one, micro-batches fit."""
+    shares = [plan.share(r) for r in range(plan.world_size)]
+    assert sum(shares) == plan.effective_batch
+    assert max(shares) - min(shares) <= 1
+    starts = [plan.first_sample(r) for r in range(plan.world_size)]
+    assert starts == [sum(shares[:r]) for r in range(plan.world_size)]  # consecutive, no gap, no overlap
+    for r in range(plan.world_size):
+        sizes = plan.microbatch_sizes(r)
+        assert sum(sizes) == shares[r] and all(0 <= s <= plan.per_gpu_batch for s in sizes)
+        assert len(sizes) <= plan.grad_accum
+        assert sizes == sorted(sizes, reverse=True)  # full micro-batches first, the last may be smaller
+        if plan.engine.startswith("zero"):
+            assert len(sizes) == plan.grad_accum  # DeepSpeed: every rank runs the same number
+
+
 @pytest.mark.parametrize(("nodes", "gpus", "per_gpu", "accum", "timeout"), [
     (1, 1, 4, 32, 3600),  # per-GPU batch 4 is the fastest on H200 (docs/benchmarks.md)
     (1, 8, 4, 4, 3600),
     (2, 8, 4, 2, 7200),
-    (8, 8, 2, 1, 14400),  # 64 GPUs: per-GPU batch drops to 2
+    (8, 8, 2, 1, 14400),  # 64 GPUs: 2 samples each
 ])
 def test_effective_batch_is_held(real, nodes: int, gpus: int, per_gpu: int, accum: int, timeout: int) -> None:
     plan = plan_for(nodes, gpus, real)
     assert plan.world_size == nodes * gpus
     assert (plan.per_gpu_batch, plan.grad_accum) == (per_gpu, accum)
-    assert plan.per_gpu_batch * plan.world_size * plan.grad_accum == plan.effective_batch == 128
+    check_split(plan)
     assert plan.lr == pytest.approx(1e-4) and plan.warmup_steps == 2000  # same optimisation at any count
     assert plan.nccl_timeout_s == timeout
     assert plan.engine == "ddp"  # 11 M parameters: DDP is fastest and fits (measured, docs/benchmarks.md)
@@ -33,19 +59,47 @@ def test_effective_batch_is_held(real, nodes: int, gpus: int, per_gpu: int, accu
     assert str(plan.world_size) in plan.table()
 
 
-def test_24_gpus_names_the_nearest_valid_counts(real) -> None:
-    with pytest.raises(ConfigError) as err:
-        plan_for(3, 8, real)
-    message = str(err.value)
-    assert "\n" not in message
-    assert "cannot be split evenly over 24 GPUs" in message
-    assert "use 16 or 32 GPUs" in message and "batch.effective to 120 or 144" in message
+def test_every_world_size_up_to_1024(real) -> None:
+    for world in range(1, 1025):
+        if world <= real.batch.effective:
+            plan = plan_for(world, 1, real)
+            check_split(plan)
+            assert plan.lr == pytest.approx(1e-4) and plan.warmup_steps == 2000
+            continue
+        with pytest.raises(ConfigError) as err:
+            plan_for(world, 1, real)
+        message = str(err.value)
+        assert "\n" not in message and f"cannot be split over {world} GPUs" in message
+        assert "use at most 128 node(s) × 1 = 128 GPUs" in message and f"batch.effective to {world} or more" in message
+
+
+def test_3_and_5_nodes_of_8_split_unevenly_with_the_same_lr(real) -> None:
+    three = plan_for(3, 8, real)
+    assert three.split_text() == "128 = 16 ranks × 5 + 8 ranks × 6; micro-batch ≤ 4, 2 per step"
+    assert three.microbatch_sizes(0) == [4, 2] and three.microbatch_sizes(23) == [4, 1]
+    assert "16 ranks × 5 + 8 ranks × 6" in three.table()
+    five = plan_for(5, 8, real)
+    assert five.split_text() == "128 = 32 ranks × 3 + 8 ranks × 4; micro-batch ≤ 4, 1 per step"
+    assert three.lr == five.lr == plan_for(1, 8, real).lr
+    # memory is estimated for the largest micro-batch
+    assert five.memory_per_gpu_gb == plan_for(4, 8, real).memory_per_gpu_gb  # 4 clips in both
+    with pytest.raises(ConfigError, match="use at most 16 node"):
+        plan_for(17, 8, real)
+
+
+def test_deepspeed_ranks_with_fewer_samples_pad_to_the_same_count(real) -> None:
+    plan = plan_for(26, 1, load_train(real.to_dict(), **{"engine.kind": "zero2"}))  # shares 4 and 5
+    assert plan.grad_accum == 2
+    assert plan.microbatch_sizes(0) == [4, 1] and plan.microbatch_sizes(25) == [4, 0]  # 0: weight-0 padding
+    check_split(plan)
+    ddp = plan_for(26, 1, real)
+    assert ddp.microbatch_sizes(25) == [4]  # no collectives inside a DDP micro-step: no padding
 
 
 def test_1000_gpus(real) -> None:
     with pytest.raises(ConfigError) as err:
         plan_for(125, 8, real)
-    assert "over 1000 GPUs" in str(err.value) and "batch.effective to 1000" in str(err.value)
+    assert "over 1000 GPUs" in str(err.value) and "batch.effective to 1000 or more" in str(err.value)
     plan = plan_for(125, 8, load_train(real.to_dict(), **{"batch.effective": 1000}))
     assert (plan.per_gpu_batch, plan.grad_accum, plan.nccl_timeout_s) == (1, 1, 14400)
     assert plan.lr == pytest.approx(1e-4 * (1000 / 128) ** 0.5)  # sqrt rule when the batch itself changes
@@ -54,8 +108,11 @@ def test_1000_gpus(real) -> None:
 def test_explicit_accumulation(real) -> None:
     plan = plan_for(1, 8, load_train(real.to_dict(), **{"batch.grad_accum": 2}))
     assert (plan.per_gpu_batch, plan.grad_accum) == (8, 2)  # the guides' 8-GPU split, asked for explicitly
-    with pytest.raises(ConfigError, match="does not divide"):
-        plan_for(1, 8, load_train(real.to_dict(), **{"batch.grad_accum": 3}))
+    check_split(plan)
+    uneven = plan_for(3, 8, load_train(real.to_dict(), **{"batch.grad_accum": 2}))
+    assert uneven.microbatch_sizes(0) == [3, 3] and uneven.microbatch_sizes(23) == [3, 2]
+    with pytest.raises(ConfigError, match="set it to at most 16"):
+        plan_for(1, 8, load_train(real.to_dict(), **{"batch.grad_accum": 17}))
 
 
 def test_engine_follows_memory(real) -> None:
@@ -66,11 +123,6 @@ def test_engine_follows_memory(real) -> None:
     assert plan.engine in ("zero2", "zero3") and "ddp does not fit" in plan.engine_reason
     with pytest.raises(ConfigError, match="no engine fits"):
         plan_for(1, 8, real, gpu_memory_gb=10)  # 4 clips of 720×480×12 need ~25 GB of activations
-
-
-def test_valid_gpu_counts() -> None:
-    assert valid_gpu_counts(128, 24, 8) == [16, 32]
-    assert valid_gpu_counts(128, 1000) == [64, 128]
 
 
 def test_param_count_matches_the_model(real) -> None:
@@ -88,10 +140,21 @@ def test_plan_is_pure_and_cpu_plans_have_no_nccl(real) -> None:
     assert cpu.nccl_env == {} and cpu.precision == "fp32" and cpu.world_size == 4
 
 
-def test_raw_video_that_cannot_keep_up_is_flagged(real) -> None:
-    video = load_train(real.to_dict(), **{"data.source": "video", "data.path": "videos"})
-    plan = plan_for(1, 8, video, cpus_per_task=2)  # a 16-core node with 8 GPUs
-    assert plan.notes and "≈9 CPU cores per GPU" in plan.notes[0] and "jobs.prepare" in plan.notes[0]
-    assert "note" in plan.table()
-    assert plan_for(1, 8, video, cpus_per_task=12).notes == []  # 12 cores per GPU decode fast enough
-    assert plan_for(1, 8, real, cpus_per_task=2).notes == []  # prepared shards: nothing to flag
+@pytest.mark.parametrize("source", ["prepared", "synthetic", "video"])
+def test_loader_workers_come_from_the_measured_rate_and_the_cores(real, source: str) -> None:
+    cfg = load_train(real.to_dict(), **{"data.source": source, "data.path": "data"})
+    clip = cfg.data.frames * cfg.data.height * cfg.data.width / REFERENCE_CLIP_ELEMENTS
+    needed = math.ceil(TRAIN_CLIPS_PER_GPU * clip * LOADER_HEADROOM / CLIPS_PER_WORKER[source])
+    roomy = plan_for(1, 8, cfg, cpus_per_task=needed + 1)
+    assert roomy.num_workers == needed and roomy.notes == []  # one core drives the GPU, the rest load
+    tight = plan_for(1, 8, cfg, cpus_per_task=needed)
+    assert tight.num_workers == needed - 1
+    assert len(tight.notes) == 1 and f"needs ≈{needed + 1} CPU cores per GPU" in tight.notes[0]
+    assert "note" in tight.table()
+    asked = plan_for(1, 8, load_train(cfg.to_dict(), **{"data.num_workers": 3}), cpus_per_task=2)
+    assert asked.num_workers == 3 and asked.notes == []  # an explicit choice is the user's
+
+
+def test_shipped_config_is_not_loader_bound_with_12_cores_per_gpu(real) -> None:
+    plan = plan_for(1, 8, real, cpus_per_task=12)  # configs/cluster/h100_8gpu.yaml
+    assert plan.notes == [] and plan.num_workers >= 1

@@ -29,11 +29,10 @@ from tests.helpers import (
     make_cluster,
     metrics,
     tiny_train,
-    train_losses,
     wait_done,
     wait_for,
 )
-from tests.tasks import CrashAfterStart, StopAtFirstBoundary
+from tests.tasks import CountingTask, CrashAfterStart, StopAtFirstBoundary
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -42,6 +41,12 @@ EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckp
 
 def events(handle: JobHandle, kind: str) -> list[dict]:
     return [e for e in EventLog(Path(handle.run_dir) / "events.jsonl").read() if e["event"] == kind]
+
+
+def sacct_states(handle: JobHandle) -> list[str]:
+    """sacct's record of each run of the job, oldest first (waits until accounting has its end)."""
+    frame = handle.accounting()
+    return [state.split()[0] for state in frame[frame["JobID"] == handle.job_id]["State"]]
 
 
 def trained_steps(run_dir: Path) -> list[int]:
@@ -84,39 +89,27 @@ def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -
     train = tiny_train(steps=200, **EXACT)
     reference = submit_training(relaxed, train, "reference")[0]
     timed = submit_training(short, train, "timed")[0]
+    # Beside it, a site whose time-limit warning never arrives (the task drops USR2): at the limit only
+    # SIGTERM comes. It must count as a timeout (Slurm does not requeue a job killed for its limit), so the
+    # task saves and requeues itself, and only what Slurm accepted is recorded.
+    no_warning = submit(CountingTask(10_000, 0.2, ignore_warning=True, steps_after_restart=5),
+                        make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=2), "no-warning")
     assert wait_done(timed.job_id, 1200) == "COMPLETED", timed.tail(60)
     assert wait_done(reference.job_id, 600) == "COMPLETED", reference.tail(60)
     requeues = events(timed, "requeue")
-    assert requeues and all(e["reason"] == "timeout" for e in requeues)
+    assert requeues and all((e["reason"], e["by"]) == ("timeout", "self") for e in requeues)
+    assert sacct_states(timed) == ["REQUEUED"] * len(requeues) + ["COMPLETED"]  # each recorded requeue happened
     assert trained_steps(timed.run_dir) == list(range(1, 201))
+    assert wait_done(no_warning.job_id, 600) == "COMPLETED", no_warning.tail(60)
+    sigterm = events(no_warning, "requeue")
+    assert sigterm and all((e["reason"], e["by"]) == ("timeout", "self") for e in sigterm)  # not "preempted"
+    assert sacct_states(no_warning) == ["REQUEUED"] * len(sigterm) + ["COMPLETED"]
+    steps = [int(s) for s in (Path(no_warning.run_dir) / "steps.txt").read_text().split()]
+    assert steps == list(range(1, sigterm[0]["step"] + 6))  # every step once, none lost, 5 after the restart
     _, ref_state, _ = final_state(reference.run_dir)
     _, state, _ = final_state(timed.run_dir)
     for key in ("params", "exp_avg", "exp_avg_sq", "optimizer_step"):
         assert_identical({key: ref_state[key]}, {key: state[key]})
-
-
-def test_world_size_and_engine_changes_continue_the_run(tmp_path: Path) -> None:
-    """2 nodes × 2 (DDP) → 1 node × 2 (DDP) → ZeRO-2 → ZeRO-3 on 2 nodes → DDP on 1 node, one run folder."""
-    steps = 15
-    reference = submit_training(make_cluster(tmp_path, nodes=2, gpus_per_node=2),
-                                tiny_train(steps=steps, **EXACT), "reference")[0]
-    phases = [(2, "ddp", 3), (1, "ddp", 6), (1, "zero2", 9), (2, "zero3", 12), (1, "ddp", steps)]
-    for nodes, engine, until in phases:
-        handle = submit_training(make_cluster(tmp_path, nodes=nodes, gpus_per_node=2),
-                                 tiny_train(steps=until, **EXACT, **{"engine.kind": engine}), "changing")[0]
-        assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(80)
-    assert wait_done(reference.job_id, 600) == "COMPLETED", reference.tail(60)
-
-    starts = events(handle, "start")
-    assert [(e["step"], e["world_size"], e["engine"]) for e in starts] == [
-        (0, 4, "ddp"), (3, 2, "ddp"), (6, 2, "zero2"), (9, 4, "zero3"), (12, 2, "ddp")]
-    assert [e["grad_accum"] for e in starts] == [1, 2, 2, 1, 2]  # effective batch 8 held: 2 × 4 × 1 = 2 × 2 × 2
-    assert {e["effective_batch"] for e in starts} == {8}
-    assert trained_steps(handle.run_dir) == list(range(1, steps + 1))
-    # Same data, same state: the losses follow the uninterrupted run to float rounding, across every change.
-    ours, ref = train_losses(handle.run_dir), train_losses(reference.run_dir)
-    for step in range(1, steps + 1):
-        assert ours[step] == pytest.approx(ref[step], rel=2e-3), (step, ours[step], ref[step])
 
 
 def test_crash_loop_stops_with_a_reason(tmp_path: Path) -> None:
@@ -189,7 +182,7 @@ def test_signals_while_the_task_starts_are_kept_for_the_first_step_boundary(tmp_
     output, _ = entry.communicate(timeout=120)
 
     assert entry.returncode == LOCAL_REQUEUE_EXIT_CODE, output  # saved and asked to be requeued, not killed
-    assert "caught SIGUSR2" in output and "exiting for requeue (timeout)" in output, output
+    assert "caught SIGUSR2" in output and "saved step 0; requeued (timeout, by local controller)" in output, output
     start, requeue = EventLog(run_dir / "events.jsonl").read()
     assert (start["event"], requeue["event"], requeue["reason"], requeue["step"]) == ("start", "requeue", "timeout", 0)
     assert requeue["signal_to_saved_s"] >= 1.0  # timed from the signal's arrival, not from the task's start

@@ -288,7 +288,8 @@ def test_entry_refuses_a_job_folder_others_could_write(user: User, weakness: str
         os.chmod(case / what[0], what[1])
     before = sha256(pickle)
 
-    out = user.run([sys.executable, "-m", "taehv_slurm.entry", str(folder)], LOCAL_TASK_ENV)
+    entry = [sys.executable, "-m", "taehv_slurm.entry", str(folder), str(folder.parent)]  # as submit() starts it
+    out = user.run(entry, LOCAL_TASK_ENV)
     assert out.returncode == 2, out.stderr
     message = one_line(out.stderr)
     assert message.startswith(f"[taehv] refusing to load {pickle}: ")
@@ -302,10 +303,56 @@ def test_entry_refuses_a_job_folder_others_could_write(user: User, weakness: str
     fix = BACKTICKED.search(message).group(1)
     assert fix == (f"chmod o-w {weak}" if "sticky" in weakness else f"chmod go-w {weak}")
     assert user.run(["sh", "-c", fix]).returncode == 0
-    done = user.run([sys.executable, "-m", "taehv_slurm.entry", str(folder)], LOCAL_TASK_ENV)
+    done = user.run(entry, LOCAL_TASK_ENV)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (case / "ran").is_dir()  # the same pickle runs once the folder is safe
     assert mode(folder / "4242_0_result.pkl") == 0o600  # written under the entry point's umask
+
+
+MAKE_EXECUTOR_FOLDER = """
+import json, os, sys, tempfile
+from pathlib import Path
+from submitit.helpers import DelayedSubmission
+from taehv_slurm.security import private_umask
+folder = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp())  # as `mktemp -d`: 0700 in /tmp
+folder.mkdir(mode=0o700, exist_ok=True)
+with private_umask():
+    DelayedSubmission(os.mkdir, str(folder / sys.argv[1])).dump(folder / "4242_submitted.pkl")
+print(json.dumps(str(folder)))
+"""
+
+
+def test_an_executor_folder_made_by_mktemp_runs(user: User) -> None:
+    # make_executor(cluster, folder) with a folder of the user's own inside the sticky /tmp: the folder
+    # itself is what the run owns; /tmp above it is world-writable but sticky, so nobody can swap it.
+    folder = Path(user.python(MAKE_EXECUTOR_FOLDER, "ran"))
+    try:
+        assert folder.parent == Path(tempfile.gettempdir()) and mode(folder.parent) & stat.S_ISVTX
+        out = user.run([sys.executable, "-m", "taehv_slurm.entry", str(folder)], LOCAL_TASK_ENV)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert (folder / "ran").is_dir()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_no_advice_to_change_a_folder_that_is_not_the_users(user: User) -> None:
+    # A folder of another user (root) that everyone may write, without the sticky bit: refused, and the
+    # message says to move the run folder — never to chmod a folder the user does not own.
+    open_dir = Path(tempfile.mkdtemp(prefix="taehv-open-"))
+    try:
+        os.chmod(open_dir, 0o777)
+        mine = open_dir / "mine"
+        mine.mkdir(mode=0o700)
+        user.chown(mine)
+        folder = Path(user.python(MAKE_EXECUTOR_FOLDER, "ran", mine / "exec"))
+        out = user.run([sys.executable, "-m", "taehv_slurm.entry", str(folder)], LOCAL_TASK_ENV)
+        assert out.returncode == 2 and not (folder / "ran").exists()
+        message = one_line(out.stderr)
+        assert f"{open_dir} is writable by everyone without the sticky bit (mode 0777)" in message
+        assert "move the run folder out of it" in message and f"{open_dir} belongs to root (uid 0)" in message
+        assert "chmod" not in message
+    finally:
+        shutil.rmtree(open_dir, ignore_errors=True)
 
 
 def test_a_real_slurm_job_refuses_and_submit_refuses_first(slurm_cluster, tmp_path: Path) -> None:
@@ -428,7 +475,7 @@ def test_checkpoints_load_weights_only_with_our_own_message(tmp_path: Path) -> N
     marker = tmp_path / "code-ran"
     torch.save({"w": torch.ones(3), "payload": _RunsCode(marker)}, folder / "state.pt")
     with pytest.raises(CheckpointError) as err:
-        ck.load_latest()
+        ck.load(7)
     message = one_line(str(err.value))
     assert not marker.exists() and (folder / "state.pt").is_file()
     assert message == (f"cannot load checkpoint {folder}: state.pt holds a Python object (posix.mkdir), not only tensors "
@@ -437,8 +484,11 @@ def test_checkpoints_load_weights_only_with_our_own_message(tmp_path: Path) -> N
     for damage in (b"not a checkpoint", (folder / "state.pt").read_bytes()[:200], b""):
         (folder / "state.pt").write_bytes(damage)
         with pytest.raises(CheckpointError) as err:
-            ck.load_latest()
+            ck.load(7)
         assert "weights_only" not in str(err.value) and "state.pt is damaged or not a torch checkpoint" in one_line(str(err.value))
+    # Resuming moves the unloadable checkpoint aside (never runs it, never deletes it)
+    assert ck.load_latest() is None and not marker.exists()
+    assert [p.name.split(".")[0] for p in (tmp_path / "ck").iterdir() if ".damaged-" in p.name] == ["step_00000007"]
 
 
 # ------------------------------------------------------------------------------------- secrets

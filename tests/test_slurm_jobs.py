@@ -76,7 +76,7 @@ def test_cli_dry_run_imports_no_torch() -> None:
             "print('TORCH_LOADED' if 'torch' in sys.modules else 'NO_TORCH')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60).stdout
     assert "#SBATCH --nodes=8" in out and "#SBATCH --ntasks-per-node=8" in out and "#SBATCH --gres=gpu:8" in out
-    assert "world size 64" in out and "effective batch     128 = 2 per GPU × 64 GPUs × 1" in out
+    assert "world size 64" in out and "effective batch     128 = 64 ranks × 2; micro-batch 2, 1 per step" in out
     assert out.strip().endswith("NO_TORCH")
 
 
@@ -92,7 +92,7 @@ def test_cli_submit_smoke_and_local_training(tmp_path: Path) -> None:
                             "--set", "steps=20", "--set", "intervals.log_every=5", "--set", f"job_dir={tmp_path}"],
                            capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-2000:]
-    assert "train step 20/20" in local.stdout and "ended: FINISHED" in local.stdout
+    assert "train step 20/20" in local.stdout and "ended: COMPLETED" in local.stdout
 
 
 def test_cli_errors_are_one_line(tmp_path: Path) -> None:
@@ -102,6 +102,6 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == f"error: {bad}: unknown key 'nodse'; did you mean 'nodes'?"
-    out = subprocess.run([sys.executable, "-m", "jobs.submit", "--nodes", "3", "--dry-run"],
+    out = subprocess.run([sys.executable, "-m", "jobs.submit", "--nodes", "17", "--dry-run"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "use 16 or 32 GPUs" in out.stderr
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "use at most 16 node(s) × 8" in out.stderr

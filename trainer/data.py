@@ -4,9 +4,9 @@ Clips travel as uint8 T×3×H×W tensors (4× smaller than float); the trainer c
 [0, 1] on the device.
 
 Sample order: one global, infinite stream of item indices (:class:`GlobalOrder`, a fresh permutation
-per epoch). Optimizer step s consumes stream positions [s·E, (s+1)·E) for the effective batch
-E = per_gpu_batch × grad_accum × world_size, and the ranks split that range among themselves. So what a
-step sees depends on E and s only: a job resumed at step s on a different number of GPUs (same E)
+per epoch). Optimizer step s consumes stream positions [s·E, (s+1)·E) for the effective batch E, and
+the ranks split that range into consecutive shares (taehv_slurm.plan: ⌊E/W⌋ or one more each). So what
+a step sees depends on E and s only: a job resumed at step s on a different number of GPUs (same E)
 trains on exactly the clips it would have seen.
 """
 
@@ -412,21 +412,22 @@ class GlobalOrder:
         self.__init__(state["num_items"], state["seed"])  # type: ignore[misc]
 
 
-def step_indices(order: GlobalOrder, step: int, per_gpu_batch: int, grad_accum: int, world_size: int,
-                 rank: int) -> list[list[int]]:
-    """Item indices of rank ``rank``'s ``grad_accum`` micro-batches for optimizer step ``step``.
+def step_indices(order: GlobalOrder, step: int, effective_batch: int, first: int, sizes: Sequence[int]) -> list[list[int]]:
+    """Item indices of one rank's micro-batches of optimizer step ``step``.
 
-    Step s covers positions [s·E, (s+1)·E); micro-batch a of rank r is the slice starting at
-    s·E + (a·world_size + r)·per_gpu_batch. Same E ⇒ same union over ranks, whatever the layout.
+    The step covers stream positions [step·E, (step+1)·E); the rank's share starts ``first`` positions
+    in and is cut into micro-batches of ``sizes`` (taehv_slurm.plan.ScalePlan.microbatch_sizes). A size
+    of 0 is a padding micro-batch: it repeats the rank's last sample and is trained with weight 0.
     """
-    if min(per_gpu_batch, grad_accum, world_size) < 1 or not 0 <= rank < world_size or step < 0:
-        raise ValueError(f"step_indices: bad layout step={step} per_gpu_batch={per_gpu_batch} "
-                         f"grad_accum={grad_accum} world_size={world_size} rank={rank}")
-    eff = per_gpu_batch * grad_accum * world_size
+    share = sum(sizes)
+    if step < 0 or first < 0 or min(sizes, default=0) < 0 or share < 1 or first + share > effective_batch:
+        raise ValueError(f"step_indices: bad layout step={step} effective_batch={effective_batch} first={first} "
+                         f"sizes={list(sizes)}")
+    pos = step * effective_batch + first
     out = []
-    for a in range(grad_accum):
-        first = step * eff + (a * world_size + rank) * per_gpu_batch
-        out.append([order.item_at(p) for p in range(first, first + per_gpu_batch)])
+    for size in sizes:
+        out.append([order.item_at(p) for p in range(pos, pos + size)] if size else [order.item_at(pos - 1)])
+        pos += size
     return out
 
 
@@ -450,32 +451,30 @@ def collate_clips(items: list[dict[str, Any]]) -> dict[str, Any]:
 class _StepBatchSampler:
     """Infinite batch sampler: this rank's micro-batches of steps start_step, start_step + 1, …"""
 
-    def __init__(self, order: GlobalOrder, start_step: int, per_gpu_batch: int, grad_accum: int,
-                 world_size: int, rank: int) -> None:
+    def __init__(self, order: GlobalOrder, start_step: int, effective_batch: int, first: int, sizes: Sequence[int]) -> None:
         self.order, self.start_step = order, start_step
-        self.layout = (per_gpu_batch, grad_accum, world_size, rank)
+        self.layout = (effective_batch, first, list(sizes))
 
     def __iter__(self) -> Iterator[list[int]]:
         for step in itertools.count(self.start_step):
             yield from step_indices(self.order, step, *self.layout)
 
 
-def step_batches(source: Dataset, order: GlobalOrder, start_step: int, per_gpu_batch: int, grad_accum: int,
-                 world_size: int, rank: int, num_workers: int = 0, prefetch_factor: int = 2,
-                 pin_memory: bool = False) -> Iterator[tuple[int, list[dict[str, Any]]]]:
-    """Yield ``(step, [micro-batch] * grad_accum)`` forever from ``start_step`` for this rank.
+def microbatches(source: Dataset, order: GlobalOrder, start_step: int, effective_batch: int, first: int,
+                 sizes: Sequence[int], num_workers: int = 0, prefetch_factor: int = 2,
+                 pin_memory: bool = False) -> Iterator[dict[str, Any]]:
+    """This rank's micro-batches, one after another, from ``start_step`` on: ``len(sizes)`` per step
+    (see ``step_indices``), so the trainer can start on one while the workers load the next.
 
     Each micro-batch: "frames" uint8 B×T×3×H×W, "index" LongTensor (B,), and any other fields of the
     source stacked. Workers load in parallel but batches arrive in order, so the stream is the same for
     any ``num_workers``. Close the generator (or drop it) to stop the workers.
     """
     if order.num_items != len(source):  # type: ignore[arg-type]
-        raise ValueError(f"step_batches: order covers {order.num_items} items but the source has "
+        raise ValueError(f"microbatches: order covers {order.num_items} items but the source has "
                          f"{len(source)}; build GlobalOrder(len(source), seed)")  # type: ignore[arg-type]
-    sampler = _StepBatchSampler(order, start_step, per_gpu_batch, grad_accum, world_size, rank)
+    sampler = _StepBatchSampler(order, start_step, effective_batch, first, sizes)
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers > 0 else {}
     loader = DataLoader(source, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_clips,
                         pin_memory=pin_memory, **extra)
-    batches = iter(loader)
-    for step in itertools.count(start_step):
-        yield step, [next(batches) for _ in range(grad_accum)]
+    yield from loader

@@ -1,19 +1,32 @@
-"""Data parallelism behind one small interface: DDP, or DeepSpeed ZeRO stage 1, 2 or 3.
+"""Data parallelism behind one small interface: DDP (one flat all-reduce), or DeepSpeed ZeRO stage 1, 2 or 3.
 
-    engine.train_step(microbatches, lr) → metrics of one optimizer step (gradient accumulation inside)
+    engine.train_step(microbatches, lr) → StepMetrics of one optimizer step (gradient accumulation inside)
     engine.evaluate(frames, teacher_latents) → metrics without gradients
     engine.full_state() / engine.load_full_state(state) → the engine-independent state
 
+One optimizer step's gradient is the mean over exactly `batch.effective` samples however they are split
+over ranks and micro-batches: each micro-batch's mean loss is weighted by its share of the step's
+samples (`Microbatch.weight` = its samples / effective batch) and the ranks' gradients are summed. So a
+rank with one sample more than another counts it, and the update equals the one-device update up to
+floating-point summation order.
+
+`train_step` never waits for the GPU: its metrics stay on the device (sums over this rank's samples) and
+the trainer turns them into numbers once per log line. That matters for CUDA graphs too: a graph's
+outputs are overwritten by its next replay, so each micro-step's metrics are added into a tensor of our
+own before the next micro-batch runs.
+
 The state is full tensors by parameter name: fp32 weights, AdamW's two moments and its step count.
-Every engine writes and reads the same layout, so a run saved under ZeRO-3 on 16 GPUs resumes under
-DDP on 8 (no ZeRO-2 → 3 conversion). The student has ~11 M parameters, so the full state is ~135 MB
-and gathering it for a save takes well under a second.
+Every engine writes and reads the same layout, so a run saved under ZeRO-3 on 16 GPUs resumes with
+DDP on 8 (no ZeRO-2 → 3 conversion). The student has ~11 M parameters, so the full
+state is ~135 MB and gathering it for a save takes well under a second.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -21,13 +34,56 @@ from torch import nn
 
 from .losses import DistillModule, summarize
 
-Microbatch = tuple[torch.Tensor, torch.Tensor | None]  # (frames uint8 N×T×3×H×W, teacher latents or None)
+
+class Microbatch(NamedTuple):
+    frames: torch.Tensor  # uint8 N×T×3×H×W on the device
+    latents: torch.Tensor | None  # teacher latents, or None
+    weight: float  # samples / effective batch; 0 for a padding micro-batch (see ScalePlan.microbatch_sizes)
+
+
+@dataclass
+class StepMetrics:
+    """One optimizer step's metrics on this rank, still on the device (no host sync)."""
+
+    names: tuple[str, ...]
+    sums: torch.Tensor  # float64, per name: the metric summed over this rank's samples of the step
+    samples: int  # this rank's samples in the step (padding excluded)
+    grad_norm: torch.Tensor  # global gradient norm before clipping (the same on every rank)
+
+    def means(self) -> dict[str, float]:
+        """This rank's per-sample means (syncs with the device)."""
+        values = (self.sums / max(1, self.samples)).tolist()
+        return {**dict(zip(self.names, values)), "grad_norm": float(self.grad_norm)}
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     if device.type == "cuda" and precision == "bf16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+class _MetricSums:
+    """Σ over samples of each metric of one step, added micro-batch by micro-batch on the device."""
+
+    def __init__(self) -> None:
+        self.names: tuple[str, ...] = ()
+        self.sums: torch.Tensor | None = None
+        self.samples = 0
+
+    def add(self, metrics: dict[str, torch.Tensor], batch_size: int, weight: float) -> None:
+        if weight == 0:
+            return  # a padding micro-batch: trained with weight 0, counted nowhere
+        if not self.names:
+            self.names = tuple(metrics)
+        # One stack per micro-batch, read before the next replay can overwrite a CUDA graph's outputs.
+        vec = torch.stack([metrics[k].detach().to(torch.float64) for k in self.names]) * batch_size
+        self.sums = vec if self.sums is None else self.sums + vec
+        self.samples += batch_size
+
+    def result(self, grad_norm: torch.Tensor) -> StepMetrics:
+        if self.sums is None:
+            raise ValueError("train_step got no micro-batch with samples")
+        return StepMetrics(self.names, self.sums, self.samples, grad_norm.detach().to(torch.float64))
 
 
 class Engine:
@@ -46,7 +102,7 @@ class Engine:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.student.named_parameters())
 
-    def train_step(self, microbatches: list[Microbatch], lr: float) -> dict[str, float]:
+    def train_step(self, microbatches: Iterable[Microbatch], lr: float) -> StepMetrics:
         raise NotImplementedError
 
     def evaluate(self, frames: torch.Tensor, teacher_latents: torch.Tensor | None) -> dict[str, float]:
@@ -62,12 +118,12 @@ class Engine:
 class DDPEngine(Engine):
     """Replicated weights, AdamW, and ONE all-reduce of a flat gradient buffer per optimizer step.
 
-    Why not torch's DistributedDataParallel: it overlaps communication with backward, but it rebuilds
-    its gradient buckets after the first iteration, so the first step after a resume reduces in
-    another order than the uninterrupted run and the weights differ in the last bits. Here every
-    parameter's gradient is a fixed view into one buffer (same layout on every start), so a resumed run
-    is bit-identical. For an 11 M-parameter model the un-overlapped all-reduce (45 MB) costs well under
-    1 % of a step (docs/benchmarks.md).
+    Plain data parallelism, but not torch's DistributedDataParallel: DDP overlaps communication with
+    backward, but it rebuilds its gradient buckets after the first iteration, so the first step after a
+    resume reduces in another order than the uninterrupted run and the weights differ in the last bits.
+    Here every parameter's gradient is a fixed view into one buffer (same layout on every start), so a
+    resumed run is bit-identical. For an 11 M-parameter model the un-overlapped all-reduce (45 MB) costs
+    well under 1 % of a step (docs/benchmarks.md).
     """
 
     kind = "ddp"
@@ -87,29 +143,32 @@ class DDPEngine(Engine):
             with torch.no_grad():
                 for p in module.parameters():  # start from rank 0's weights, whatever each rank built
                     dist.broadcast(p.data, src=0)
-        self.forward = torch.compile(module, mode=compile_mode) if compile else module
+        # dynamic=False: the last micro-batch of a rank may be smaller; it gets its own specialized graph
+        # (at most two or three shapes) instead of a slower dynamic-shape one.
+        self.forward = torch.compile(module, mode=compile_mode, dynamic=False) if compile else module
+        self.cuda_graphs = compile and compile_mode == "reduce-overhead"
         self.fused = device.type == "cuda"
         self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=self.fused)
 
-    def train_step(self, microbatches: list[Microbatch], lr: float) -> dict[str, float]:
+    def train_step(self, microbatches: Iterable[Microbatch], lr: float) -> StepMetrics:
         self.module.train()
         self.flat_grad.zero_()  # keeps the views (never set_to_none)
-        metrics = []
-        for frames, latents in microbatches:
+        sums = _MetricSums()
+        for frames, latents, weight in microbatches:
+            if self.cuda_graphs:  # each micro-step is a new replay of the graphs
+                torch.compiler.cudagraph_mark_step_begin()
             with _autocast(self.device, self.precision):
-                loss, m = self.forward(frames, latents)
-            (loss / len(microbatches)).backward()
-            metrics.append(m)
+                loss, metrics = self.forward(frames, latents)
+            sums.add(metrics, frames.shape[0], weight)  # copied out before anything replays the graphs again
+            (loss * weight).backward()
         if self.world > 1:
-            dist.all_reduce(self.flat_grad)
-            self.flat_grad.div_(self.world)
+            dist.all_reduce(self.flat_grad)  # Σ over ranks of Σ weight·∇loss = the mean over the effective batch
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        out = summarize(metrics)
-        out["grad_norm"] = float(grad_norm)
-        return out
+        return sums.result(grad_norm)
+
     @torch.no_grad()
     def evaluate(self, frames: torch.Tensor, teacher_latents: torch.Tensor | None) -> dict[str, float]:
         self.module.eval()
@@ -154,6 +213,8 @@ class DeepSpeedEngine(Engine):
 
         self.kind = f"zero{stage}"
         self.stage = stage
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.grad_accum = grad_accum
         bf16 = device.type == "cuda" and precision == "bf16"
         config = {
             "train_micro_batch_size_per_gpu": per_gpu_batch,
@@ -177,20 +238,24 @@ class DeepSpeedEngine(Engine):
     def _base_optimizer(self) -> torch.optim.Optimizer:
         return getattr(self.optimizer, "optimizer", self.optimizer)
 
-    def train_step(self, microbatches: list[Microbatch], lr: float) -> dict[str, float]:
+    def train_step(self, microbatches: Iterable[Microbatch], lr: float) -> StepMetrics:
         self.ds.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        metrics = []
-        for frames, latents in microbatches:
-            loss, m = self.ds(frames, latents)
-            self.ds.backward(loss)
+        sums = _MetricSums()
+        count = 0
+        for frames, latents, weight in microbatches:
+            loss, metrics = self.ds(frames, latents)
+            # DeepSpeed divides each micro-step's loss by the accumulation steps and averages the ranks'
+            # gradients; undo both so the step's gradient is Σ weight·∇loss over every rank.
+            self.ds.backward(loss * (weight * self.world * self.grad_accum))
             self.ds.step()  # updates only at the accumulation boundary
-            metrics.append(m)
-        out = summarize(metrics)
+            sums.add(metrics, frames.shape[0], weight)
+            count += 1
+        if count != self.grad_accum:  # ZeRO-2/3 run collectives in every micro-step: all ranks must agree
+            raise ValueError(f"DeepSpeed engine configured for {self.grad_accum} micro-batches per step, got {count}")
         norm = self.ds.get_global_grad_norm()
-        out["grad_norm"] = float(norm) if norm is not None else float("nan")
-        return out
+        return sums.result(torch.as_tensor(float("nan") if norm is None else norm, device=self.device))
 
     @torch.no_grad()
     def evaluate(self, frames: torch.Tensor, teacher_latents: torch.Tensor | None) -> dict[str, float]:
@@ -295,6 +360,10 @@ def _check_names(named: list[tuple[str, nn.Parameter]], stored: dict[str, torch.
 def make_engine(kind: str, module: DistillModule, device: torch.device, *, precision: str, grad_clip: float,
                 lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
                 per_gpu_batch: int, grad_accum: int, compile_mode: str = "default") -> Engine:
+    """The engine `kind` (ddp, zero1, zero2, zero3) around `module`.
+
+    per_gpu_batch / grad_accum: the largest micro-batch and the micro-batches per step (every rank runs
+    that many; DeepSpeed needs both)."""
     common = dict(lr=lr, betas=betas, weight_decay=weight_decay, compile=compile)
     if kind == "ddp":
         return DDPEngine(module, device, precision, grad_clip, compile_mode=compile_mode, **common)

@@ -31,6 +31,7 @@ This module imports torch only inside the functions that need it: the CLI's --he
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import logging
 import math
@@ -593,26 +594,19 @@ class _Worker:
                  len(remaining), plan.num_shards, len(mine), self.device, self.task.batch,
                  "compiled" if self.task.compile and self.device.type == "cuda" else "eager")
         stream = self._stream(clips, [w for shard in mine for w in plan.shard_windows(shard)])
-        written, reason, began = 0, None, time.perf_counter()
+        written, began = 0, time.perf_counter()
         try:
             for k in range(rounds):
-                reason = ctx.should_stop()  # one agreed flag per round: every rank calls it equally often
-                if reason:
-                    break
+                # One boundary per round (every rank equally often). Finished shards are already saved
+                # (each renamed into place whole); at a signal the round's count is what the run keeps.
+                ctx.step_boundary(done_before + k * env.world_size, functools.partial(self._shards_done, done_before, written))
                 if env.rank == 0:
                     self._progress(done_before + k * env.world_size, plan, k * env.world_size, began)
                 if k < len(mine) and self._make_shard(plan, mine[k], stream):
                     written += 1
-            else:
-                reason = ctx.should_stop()  # a signal during the last round
         finally:
             del stream  # stops the decoding workers
-        total = torch.tensor([written], dtype=torch.int64)
-        if dist.is_initialized() and env.world_size > 1:
-            dist.all_reduce(total)
-        done = done_before + int(total.item())
-        if reason and done < plan.num_shards:
-            ctx.requeue_after_save(done, reason)  # raises RequeueExit on every rank
+        done = self._shards_done(done_before, written)
         if dist.is_initialized() and env.world_size > 1:
             dist.barrier()  # every shard is renamed into place before rank 0 verifies
         result: dict[str, Any] = {"rank": env.rank, "world_size": env.world_size, "shards_written": written,
@@ -624,6 +618,16 @@ class _Worker:
             self._progress(done, plan, len(remaining), began)
         ctx.finished(done)
         return result
+
+    def _shards_done(self, done_before: int, written: int) -> int:
+        """Shards finished by every rank so far (collective)."""
+        import torch
+        import torch.distributed as dist
+
+        total = torch.tensor([written], dtype=torch.int64)
+        if dist.is_initialized() and self.env.world_size > 1:
+            dist.all_reduce(total)
+        return done_before + int(total.item())
 
     def _agree_on_remaining(self, plan: Plan) -> list[int]:
         """Rank 0 lists the unfinished shards and every rank gets the same list (no one has written yet)."""

@@ -2,15 +2,18 @@
 
     env → process group → plan for the real world size → data, teacher, student, engine
     → resume from `latest` (any world size, any engine) → loop:
-         agree on signals → batch → step → log / validate / checkpoint
+         agree on signals → this rank's micro-batches (streamed from the loader) → step
+         → log / validate / checkpoint
     → final checkpoint
 
 Only rank 0 writes metrics (JSON lines + TensorBoard) and shows progress; every rank takes part in
-saves (ZeRO-3 gathers) and in the signal agreement.
+saves (ZeRO-3 gathers) and in the signal agreement. Each log line says which fraction of the window
+the ranks spent waiting for data (the slowest rank's); above DATA_WAIT_WARN rank 0 warns once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -18,7 +21,7 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +35,13 @@ from taehv_slurm.distenv import DistEnv, destroy_distributed, init_distributed
 from taehv_slurm.plan import ScalePlan, plan_for
 from taehv_slurm.requeue import RunContext
 
-from .data import ClipSpec, GlobalOrder, SyntheticClips, VideoFolderClips, step_batches
-from .engine import Engine, make_engine
+from .data import ClipSpec, GlobalOrder, SyntheticClips, VideoFolderClips, microbatches
+from .engine import Engine, Microbatch, StepMetrics, make_engine
 from .losses import DistillModule, load_teacher, lr_at
 from .model import TAEHV, TAEHVConfig, init_for_training, load_published_weights
 
 log = logging.getLogger("taehv")
+DATA_WAIT_WARN = 0.10  # warn once when the ranks wait for data longer than this fraction of a log window
 
 
 class IncompatibleCheckpointError(ValueError):
@@ -56,10 +60,13 @@ class TrainTask:
 
     def __call__(self, ctx: RunContext | None = None) -> dict[str, Any]:
         cfg = load_train(self.train)
-        ctx = ctx or RunContext.standalone(self.runtime.get("run_dir") or Path("runs") / cfg.name)
+        # Inside a submitted task (also one that calls TrainTask itself) the job's own context: the run
+        # folder, the signals and the requeue are the job's, not a folder of their own.
+        ctx = ctx or RunContext.current() or RunContext.standalone(self.runtime.get("run_dir") or Path("runs") / cfg.name)
         env = ctx.env
         _setup_logging(env)
         device = _device(self.runtime.get("device", "auto"), env)
+        configure_backends(device)
         torch.set_num_threads(int(self.runtime.get("torch_threads") or 1))
         plan = plan_for(env.num_nodes, env.local_world_size, cfg, gpu_memory_gb=self.runtime.get("gpu_memory_gb", 80.0),
                         cpus_per_task=self.runtime.get("cpus_per_task"), device=device.type)
@@ -80,6 +87,7 @@ class Trainer:
         self.cfg, self.plan, self.env, self.device, self.ctx = cfg, plan, env, device, ctx
         self.run_dir = ctx.run_dir
         self.main = env.rank == 0
+        self.step_samples: list[int] = []  # this rank's clip indices of the current step (record_samples)
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.intervals.keep_checkpoints,
                                         group=os.environ.get("TAEHV_SHARED_GROUP") or None,
                                         trust_root=self.run_dir)
@@ -112,6 +120,9 @@ class Trainer:
 
     def resume(self) -> int:
         loaded = self.checkpoints.load_latest()
+        if self.main:
+            for line in self.checkpoints.moved_aside:
+                log.warning(line)
         if loaded is None:
             return 0
         step, state, meta = loaded
@@ -136,31 +147,25 @@ class Trainer:
         if self.main:
             log.info("plan for %d ranks:\n%s", env.world_size, plan.table())
         metrics = MetricsWriter(self.run_dir, step, enabled=self.main, total=cfg.steps)
-        order = GlobalOrder(len(self.train_source), cfg.seed)
-        batches = step_batches(self.train_source, order, step, plan.per_gpu_batch, plan.grad_accum, env.world_size,
-                               env.rank, num_workers=plan.num_workers, prefetch_factor=plan.prefetch_factor,
-                               pin_memory=self.device.type == "cuda")
-        window_start, window_steps = time.perf_counter(), 0
-        last = {}
+        sizes = plan.microbatch_sizes(env.rank)
+        stream = microbatches(self.train_source, GlobalOrder(len(self.train_source), cfg.seed), step,
+                              plan.effective_batch, plan.first_sample(env.rank), sizes, num_workers=plan.num_workers,
+                              prefetch_factor=plan.prefetch_factor, pin_memory=self.device.type == "cuda")
+        window = LogWindow(self.device)
+        last: dict[str, float] = {}
         while step < cfg.steps:
-            reason = ctx.should_stop(self.device)
-            if reason:
-                self.save(step, blocking=True)
-                metrics.close()
-                ctx.requeue_after_save(step, reason)
-            _, microbatches = next(batches)
+            ctx.step_boundary(step, functools.partial(self.save_at_signal, step, metrics), self.device)
             lr = lr_at(step, plan.lr, plan.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
-            last = self.engine.train_step([self.prepare(mb) for mb in microbatches], lr)
+            window.add(self.engine.train_step(self.step_microbatches(stream, sizes, window), lr))
             step += 1
-            ctx.step = step
-            window_steps += 1
+            if cfg.intervals.record_samples:
+                metrics.write_samples(step, self.gather_samples())
             if step % plan.log_every == 0 or step == cfg.steps or step == 1:
-                last = _mean_over_ranks(last, self.device)
-                elapsed = time.perf_counter() - window_start
-                last.update(lr=lr, samples_per_second=window_steps * plan.effective_batch / elapsed,
-                            gpu_memory_gb=_gpu_memory_gb(self.device))
+                last = {**window.close(plan.effective_batch), "lr": lr, "gpu_memory_gb": _gpu_memory_gb(self.device)}
                 metrics.write(step, last)
-                window_start, window_steps = time.perf_counter(), 0
+                if self.main and step > 1 and last["data_wait"] > DATA_WAIT_WARN and not window.warned:
+                    log.warning(data_wait_advice(last["data_wait"], plan, cfg.data.source))
+                    window.warned = True
             if step % plan.val_every == 0 or step == cfg.steps:
                 metrics.write(step, self.validate(), prefix="val")
             if step % plan.ckpt_every == 0 and step < cfg.steps:
@@ -172,7 +177,31 @@ class Trainer:
                 **{k: last.get(k) for k in ("loss", "psnr", "reconstruction_loss", "latent_loss")},
                 "checkpoint": str(self.checkpoints.directory / f"step_{step:08d}")}
 
-    def prepare(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def save_at_signal(self, step: int, metrics: MetricsWriter) -> None:
+        self.save(step, blocking=True)
+        metrics.close()
+
+    def step_microbatches(self, stream: Iterator[dict[str, Any]], sizes: list[int], window: LogWindow) -> Iterator[Microbatch]:
+        """This rank's micro-batches of one step, pulled from the loader one at a time (the GPU works on
+        one while the next is loaded), each weighted by its share of the effective batch."""
+        self.step_samples.clear()
+        for size in sizes:
+            began = time.perf_counter()
+            batch = next(stream)
+            window.data_wait_s += time.perf_counter() - began
+            if size:  # a padding micro-batch repeats a sample with weight 0: not part of the step
+                self.step_samples += batch["index"].tolist()
+            yield Microbatch(*self.to_device(batch), size / self.plan.effective_batch)
+
+    def gather_samples(self) -> list[int]:
+        """The clip indices of the step just trained, every rank's share in rank order (collective)."""
+        if not (dist.is_initialized() and self.env.world_size > 1):
+            return list(self.step_samples)
+        shares: list[Any] = [None] * self.env.world_size
+        dist.all_gather_object(shares, self.step_samples)
+        return [i for share in shares for i in share]
+
+    def to_device(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         frames = batch["frames"].to(self.device, non_blocking=True)
         if "latents" in batch:
             latents = batch["latents"].to(self.device, non_blocking=True)
@@ -192,7 +221,7 @@ class Trainer:
         totals, keys = None, []
         for i, weight in zip(mine or [0], weights):
             batch = {k: (v.unsqueeze(0) if torch.is_tensor(v) else v) for k, v in self.val_source[i].items()}
-            m = self.engine.evaluate(*self.prepare(batch))
+            m = self.engine.evaluate(*self.to_device(batch))
             keys = list(m)
             vec = torch.tensor(list(m.values()), dtype=torch.float64) * weight
             totals = vec if totals is None else totals + vec
@@ -264,19 +293,70 @@ def _model_fields(cfg: TrainConfig) -> dict[str, Any]:
             "decoder_widths": list(m.decoder_widths)}
 
 
+def configure_backends(device: torch.device) -> None:
+    """Kernel choices for training on `device`: cuDNN tries its algorithms once per input shape and keeps
+    the fastest (a rank sees at most three shapes: the micro-batch, a smaller last one, validation)."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
 def _device(choice: str, env: DistEnv) -> torch.device:
     if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     return torch.device("cuda", env.local_rank)
 
 
-def _mean_over_ranks(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return dict(metrics)
-    keys = sorted(metrics)
-    vec = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(vec)
-    return dict(zip(keys, (vec / dist.get_world_size()).tolist()))
+class LogWindow:
+    """The steps since the last log line: metric sums kept on the device (no sync per step), samples,
+    and the time this rank spent waiting for data."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.warned = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.began = time.perf_counter()
+        self.steps = self.samples = 0
+        self.data_wait_s = 0.0
+        self.names: tuple[str, ...] = ()
+        self.sums: torch.Tensor | None = None  # per metric Σ over samples, then Σ over steps of the grad norm
+
+    def add(self, m: StepMetrics) -> None:
+        vec = torch.cat([m.sums, m.grad_norm.reshape(1)])
+        self.names = m.names
+        self.sums = vec if self.sums is None else self.sums + vec
+        self.steps += 1
+        self.samples += m.samples
+
+    def close(self, effective_batch: int) -> dict[str, float]:
+        """Per-sample means over every rank's samples, clips/s and the slowest rank's data-wait fraction; resets."""
+        if self.sums is None:
+            raise RuntimeError("LogWindow.close before any step")
+        elapsed = time.perf_counter() - self.began
+        totals = torch.cat([self.sums, self.sums.new_tensor([float(self.samples)])])
+        wait = torch.tensor([self.data_wait_s / elapsed], dtype=torch.float64, device=self.device)
+        world = 1
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            world = dist.get_world_size()
+            dist.all_reduce(totals)
+            dist.all_reduce(wait, op=dist.ReduceOp.MAX)
+        *sums, grad_norm, samples = totals.tolist()
+        out = {name: v / samples for name, v in zip(self.names, sums)}
+        out.update(grad_norm=grad_norm / (self.steps * world), samples_per_second=self.steps * effective_batch / elapsed,
+                   data_wait=float(wait))
+        self._reset()
+        return out
+
+
+def data_wait_advice(fraction: float, plan: ScalePlan, source: str) -> str:
+    """One line for a trainer that waits for its data: how much, and what to change."""
+    fix = {"video": "or prepare the data once (python -m jobs.prepare) and train with data.source: prepared",
+           "synthetic": "(synthetic clips are rendered on the CPU: each worker needs a core)",
+           "prepared": "or move the shards to faster storage"}.get(source, "")
+    return (f"the ranks waited for data {100 * fraction:.0f} % of the last log window with {plan.num_workers} loader "
+            f"workers per rank: raise cpus_per_task (the plan gives a worker per spare core) or set "
+            f"data.num_workers {fix}")
 
 
 def _gpu_memory_gb(device: torch.device) -> float | None:
@@ -338,9 +418,11 @@ class MetricsWriter:
         self.total = total
         if not enabled:
             return
-        if self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines() if _step_of(ln) is not None and _step_of(ln) <= start_step]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+        self.samples_path = run_dir / "samples.jsonl"
+        for path in (self.path, self.samples_path):
+            if path.exists():
+                kept = [ln for ln in path.read_text().splitlines() if _step_of(ln) is not None and _step_of(ln) <= start_step]
+                path.write_text("".join(ln + "\n" for ln in kept))
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
@@ -368,6 +450,11 @@ class MetricsWriter:
         else:
             log.info("%s step %d/%d %s", prefix, step, self.total, text)
         self.last_step = step
+
+    def write_samples(self, step: int, samples: list[int]) -> None:
+        if self.enabled:
+            with self.samples_path.open("a") as f:
+                f.write(json.dumps({"step": step, "samples": samples}) + "\n")
 
     def close(self) -> None:
         if self.enabled:

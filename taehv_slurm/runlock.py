@@ -1,0 +1,99 @@
+"""One live job per run folder.
+
+Two jobs training one folder would both resume from the same step and write the same checkpoints and
+metrics. `submit()` refuses a run whose job is still pending or running; this lock is the second line,
+for jobs started any other way (another job_dir's registry, `make_executor` by hand): rank 0 of a job
+takes `<run_dir>/run.lock` (created exclusively) before training, and a job finds the lock free, held
+by itself (a requeued run of the same job), or held by a job that has ended (then it takes it over).
+A lock held by a live job — or by a job whose state cannot be learned — is refused in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from . import slurm
+from .local import ACTIVE_STATES
+from .local import job_state as local_job_state
+
+LOCK_NAME = "run.lock"
+
+
+class RunLockedError(RuntimeError):
+    """Another live job trains this run folder; the message names it and what to do."""
+
+
+class RunLock:
+    def __init__(self, run_dir: str | os.PathLike, job_id: str, backend: str) -> None:
+        self.path = Path(run_dir) / LOCK_NAME
+        self.job_id, self.backend = str(job_id), backend
+
+    def acquire(self) -> None:
+        record = json.dumps({"job_id": self.job_id, "backend": self.backend, "host": socket.gethostname(),
+                             "pid": os.getpid(), "folder": os.environ.get("SUBMITIT_FOLDER", ""), "time": time.time()})
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                holder = self.holder()
+                if holder is not None and str(holder.get("job_id")) != self.job_id:
+                    busy = describe_live(holder)
+                    if busy:
+                        raise RunLockedError(f"run folder {self.path.parent} is trained by {busy}: two jobs must never train "
+                                             "one folder; follow or cancel that job (python -m jobs.logs / jobs.cancel "
+                                             f"{holder.get('job_id')}), or use another run name") from None
+                with contextlib.suppress(FileNotFoundError):  # ours from an earlier run, or its job ended
+                    self.path.unlink()
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(record + "\n")
+            return
+        raise RunLockedError(f"could not take {self.path}: other jobs keep taking it; check which jobs use this run folder")
+
+    def release(self) -> None:
+        holder = self.holder()
+        if holder is not None and str(holder.get("job_id")) == self.job_id:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    def holder(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, OSError):
+            return {}  # unreadable: no job can be named, so it counts as ended
+
+
+def describe_live(holder: dict[str, Any]) -> str | None:
+    """'job 123 (RUNNING)' when the lock's holder may still run, None when it has certainly ended."""
+    job_id, backend = str(holder.get("job_id", "")), holder.get("backend")
+    if not job_id:
+        return None
+    if backend == "slurm":
+        answer = slurm.run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout_s=30)
+        if answer.ok:
+            state = (answer.output.split() or [""])[0]
+            return f"job {job_id} ({state})" if state and not slurm.is_final(state) else None
+        if "invalid job id" in answer.error.lower():
+            return None  # Slurm no longer knows it: long over
+        return f"job {job_id} (its state cannot be learned: {answer.error})"
+    if holder.get("host") != socket.gethostname():
+        return f"{backend} job {job_id} on {holder.get('host')} (not this machine, so its state cannot be learned)"
+    if backend == "local":
+        state = local_job_state(holder.get("folder", ""), job_id)["state"]
+        return f"local job {job_id} ({state})" if state in (*ACTIVE_STATES, "PENDING") else None
+    pid = int(holder.get("pid") or 0)
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError, ValueError):
+        return None
+    return f"process {pid} ({backend})"

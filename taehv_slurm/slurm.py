@@ -1,0 +1,172 @@
+"""Every question we ask Slurm and every order we give it, with its errors, in one place.
+
+squeue (live state), sacct (accounting, after the fact), `scontrol show job` (what Slurm is doing with
+a job right now: requeue under way, time limit reached), `scontrol requeue` (the one order). Each
+returns what Slurm answered — never what we hoped — and a command that cannot run (not installed, not
+on PATH, controller unreachable) is an answer too, with Slurm's own words.
+
+`scontrol` is looked up once, where the job starts: the sbatch script exports its path as
+TAEHV_SCONTROL before the cluster config's `setup:` lines run, so a setup line that replaces PATH
+cannot take it away from the requeue that comes hours later.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+# Job states after which a job does nothing more (Slurm's, plus PREEMPTED for a job not requeued).
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
+                          "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
+SUCCESS_STATES = frozenset({"COMPLETED"})
+SCONTROL_ENV = "TAEHV_SCONTROL"  # scontrol's path on the nodes, found before the setup lines run
+NO_SLURM_HINT = "no Slurm here: use --local to run on this machine, or set SLURM_CONF to your cluster's slurm.conf"
+
+
+def is_final(state: str) -> bool:
+    return (state.split() or ["?"])[0] in FINAL_STATES
+
+
+def is_success(state: str) -> bool:
+    return (state.split() or ["?"])[0] in SUCCESS_STATES
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a Slurm command answered: ok, its output, and the reason in one line when not ok."""
+
+    ok: bool
+    output: str = ""
+    error: str = ""
+
+
+def run(argv: Sequence[str], timeout_s: float = 60) -> Answer:
+    """Run a Slurm command; its failure (missing binary, non-zero exit, timeout) becomes an Answer."""
+    try:
+        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError:
+        return Answer(False, error=f"{argv[0]} not found (not installed here, or not on PATH)")
+    except subprocess.TimeoutExpired:
+        return Answer(False, error=f"{os.path.basename(argv[0])} did not answer within {timeout_s:.0f} s")
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        return Answer(False, result.stdout, lines[-1].strip() if lines else f"exit code {result.returncode}")
+    return Answer(True, result.stdout)
+
+
+def scontrol() -> str | None:
+    """scontrol's path: the one found when the job started (TAEHV_SCONTROL), else on PATH now."""
+    found = os.environ.get(SCONTROL_ENV) or shutil.which("scontrol")
+    return found if found and os.access(found, os.X_OK) else None
+
+
+def scontrol_missing(host: str) -> str | None:
+    """Why this job could never requeue itself (one line with the fix), or None when scontrol is there."""
+    if scontrol() is not None:
+        return None
+    given = os.environ.get(SCONTROL_ENV)
+    where = f"{SCONTROL_ENV}={given} is not an executable" if given else f"scontrol is not on PATH on {host}"
+    return (f"{where} where the job starts, so it could never requeue itself: put Slurm's bin folder on PATH for "
+            f"jobs, or set {SCONTROL_ENV} in the cluster env to scontrol's path on the nodes")
+
+
+def squeue_state(job_id: str) -> str | None:
+    """The live state (PENDING, RUNNING, COMPLETING, ...) while Slurm still lists the job, else None."""
+    answer = run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout_s=30)
+    states = answer.output.split() if answer.ok else []
+    return states[0] if states else None
+
+
+def job_info(job_id: str, timeout_s: float = 30) -> dict[str, str] | Answer:
+    """`scontrol show job -o` as {JobState, Reason, Restarts, EndTime, ...}, or the failed Answer."""
+    binary = scontrol()
+    if binary is None:
+        return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
+    answer = run([binary, "show", "job", "-o", job_id], timeout_s=timeout_s)
+    if not answer.ok:
+        return answer
+    return dict(re.findall(r"(\w+)=(\S*)", answer.output))
+
+
+def requeue(job_id: str, timeout_s: float = 60) -> Answer:
+    """`scontrol requeue JOB`: ok only when Slurm accepted it."""
+    binary = scontrol()
+    if binary is None:
+        return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
+    return run([binary, "requeue", job_id], timeout_s=timeout_s)
+
+
+def requeue_fix(error: str) -> str:
+    """What to do when a requeue was refused, from Slurm's answer."""
+    text = error.lower()
+    if "not found" in text:
+        return "put Slurm's bin folder on PATH where jobs start (or set TAEHV_SCONTROL in the cluster env)"
+    if "unable to contact" in text or "did not answer" in text or "connection" in text or "configuration" in text:
+        return "the Slurm controller was unreachable from the node; check `scontrol ping` there"
+    if "disabled" in text or "not permitted" in text or "access" in text:
+        return "the cluster does not allow this job to be requeued (JobRequeue=0 or --no-requeue); ask its admins"
+    return "see Slurm's answer above"
+
+
+# ---------------------------------------------------------------------------------------- sacct
+
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "NTasks", "NodeList", "Submit", "Start", "End")
+
+
+def sacct_state(job_id: str) -> str | None:
+    frame = sacct_frame(job_id)
+    if frame.empty:
+        return None
+    rows = frame[frame["JobID"] == job_id]
+    return str(rows.iloc[-1]["State"]).split()[0] if not rows.empty else None
+
+
+def job_state(job_id: str) -> str | None:
+    """Live state from squeue while the job is listed there, else its last state from accounting."""
+    return squeue_state(job_id) or sacct_state(job_id)
+
+
+def sacct_frame(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS) -> pd.DataFrame:
+    """sacct output as a DataFrame (empty when accounting is unavailable).
+
+    With --duplicates every run of a requeued job is its own allocation record (State REQUEUED for all
+    but the last): `Attempt` numbers them, and `attrs['requeues']` counts the REQUEUED ones of `job_id`.
+    """
+    import pandas as pd
+
+    fields = list(dict.fromkeys(["JobID", "State", *fields]))
+    cmd = ["sacct", "-P", "-n", "--duplicates", "-o", ",".join(fields)]
+    cmd += ["-j", job_id] if job_id else ["-S", "now-7days"]
+    answer = run(cmd, timeout_s=30)
+    rows = [line.split("|") for line in (answer.output if answer.ok else "").splitlines() if line.strip()]
+    frame = pd.DataFrame([r for r in rows if len(r) == len(fields)], columns=fields)
+    runs: dict[str, int] = {}  # allocation records seen per job id (array tasks are their own jobs)
+    attempts = []
+    for jid in frame["JobID"]:
+        base = jid.split(".")[0]
+        if "." not in jid:  # an allocation record: the next attempt of that job
+            runs[base] = runs.get(base, -1) + 1
+        attempts.append(runs.get(base, 0))
+    frame["Attempt"] = attempts
+    if "Elapsed" in frame:
+        frame["ElapsedSeconds"] = frame["Elapsed"].map(elapsed_seconds)
+    is_alloc = ~frame["JobID"].str.contains(".", regex=False)
+    mine = frame["JobID"] == job_id if job_id else is_alloc
+    frame.attrs["requeues"] = int((mine & is_alloc & frame["State"].str.startswith("REQUEUED")).sum())
+    return frame
+
+
+def elapsed_seconds(text: str) -> float:
+    """sacct's [D-]HH:MM:SS (or MM:SS.mmm) as seconds."""
+    days, _, clock = text.rpartition("-")
+    parts = [float(p) for p in re.split(r":", clock) if p]
+    seconds = sum(v * 60 ** i for i, v in enumerate(reversed(parts)))
+    return seconds + (int(days) * 86400 if days else 0)

@@ -1,0 +1,132 @@
+"""Any GPU count, the same training (CPU, gloo, real processes through the local backend).
+
+The tiny config with effective batch 8: world sizes 1, 2, 3 and 5 (3 and 5 split unevenly: 3+3+2 and
+2+2+2+1+1) train the same 5 steps on the same clips, for DDP and ZeRO-2, and a run resumed at another
+world size continues the same run.
+
+Tolerances, and why. Only the arithmetic order differs between world sizes (a rank sums its share, the
+all-reduce sums the ranks; a convolution over 3 clips blocks its sums differently than over 4), which
+changes a gradient by a few units in its last place (≈1e-7 relative):
+- losses agree to rel 1e-5 and gradient norms to rel 2e-5 at every step. This is the sharp check of the
+  split: one sample weighted wrongly (a rank's share counted as the average share, say) changes the
+  reduced gradient, and its norm, by about a per cent at the first step;
+- the weights agree to 2e-3 of the distance training moved them (L2), and to 2e-4 in any one weight.
+  AdamW divides each gradient component by its own running size (+ eps = 1e-8), so a component that is
+  itself ~1e-8 — where last-place rounding of the sums that produce it is relatively large — can take a
+  different step of up to lr (Σ lr over these 5 warmup steps = 7.5e-4). The same arithmetic difference
+  between two engines on ONE rank (ZeRO-2 vs DDP) measures 8e-4 relative and 1.4e-4 at most; DDP at 2
+  ranks is bit-identical to 1 rank (same micro-batch shapes).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs.submit import submit_training
+from taehv_slurm.checkpoint import Checkpointer
+from taehv_slurm.config import load_cluster
+from tests.helpers import REPO, tiny_train
+
+STEPS = 5
+WORLD_SIZES = (1, 2, 3, 5)
+LOSS_REL, GRAD_NORM_REL, WEIGHTS_REL_L2, WEIGHTS_ATOL = 1e-5, 2e-5, 2e-3, 2e-4
+EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000,
+         "intervals.record_samples": True, "batch.effective": 8, "batch.per_gpu": 4}
+
+
+def local(job_dir: Path, ranks: int):
+    return load_cluster(REPO / "configs/cluster/local.yaml", job_dir=str(job_dir), tasks_per_node=ranks,
+                        cpus_per_task=1, torch_threads=1)
+
+
+def samples(run_dir: Path) -> dict[int, list[int]]:
+    """step → the clip indices of that step, in the order of the ranks' consecutive shares."""
+    lines = (Path(run_dir) / "samples.jsonl").read_text().splitlines()
+    return {row["step"]: row["samples"] for row in map(json.loads, lines)}
+
+
+def logged(run_dir: Path, key: str) -> list[float]:
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r[key] for r in rows if "loss" in r]
+
+
+def assert_same_run(run: Path, reference: Path) -> None:
+    assert samples(run) == samples(reference)  # the same clips in every step, whatever the split
+    assert logged(run, "loss") == pytest.approx(logged(reference, "loss"), rel=LOSS_REL)
+    assert logged(run, "grad_norm") == pytest.approx(logged(reference, "grad_norm"), rel=GRAD_NORM_REL)
+    ours, theirs = params(run), params(reference)
+    assert max_difference(ours, theirs) <= WEIGHTS_ATOL
+    moved = flat(theirs) - flat(initial_weights())
+    assert float((flat(ours) - flat(theirs)).norm() / moved.norm()) <= WEIGHTS_REL_L2
+
+
+def flat(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([weights[k].flatten() for k in sorted(weights)])
+
+
+@functools.cache
+def initial_weights() -> dict[str, torch.Tensor]:
+    """The weights every run starts from (the trainer's own initialisation with the config's seed)."""
+    from trainer.model import TAEHV, TAEHVConfig, init_for_training
+    from trainer.train import _model_fields
+
+    cfg = tiny_train()
+    with torch.random.fork_rng():
+        torch.manual_seed(cfg.seed)
+        model = TAEHV(TAEHVConfig.from_dict(_model_fields(cfg)))
+        init_for_training(model)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def params(run_dir: Path) -> dict[str, torch.Tensor]:
+    step, state, _ = Checkpointer(Path(run_dir) / "checkpoints").load_latest()
+    assert step == STEPS
+    return state["params"]
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[tuple[str, int], Path]:
+    """Every (engine, world size) run, submitted at once, waited for; run folder by key."""
+    job_dir = tmp_path_factory.mktemp("worlds")
+    handles = {}
+    for engine in ("ddp", "zero2"):
+        for world in WORLD_SIZES:
+            train = tiny_train(steps=STEPS, **EXACT, **{"engine.kind": engine})
+            handles[(engine, world)] = submit_training(local(job_dir, world), train, f"{engine}-{world}")[0]
+    for key, handle in handles.items():
+        assert handle.wait(timeout_s=900, progress=False) == "COMPLETED", (key, handle.tail(40))
+    return {key: Path(h.run_dir) for key, h in handles.items()}
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero2"])
+def test_every_world_size_trains_the_same_steps(runs, engine: str) -> None:
+    for world in WORLD_SIZES[1:]:
+        assert_same_run(runs[(engine, world)], runs[(engine, 1)])
+    starts = [json.loads(line) for line in (runs[(engine, 3)] / "events.jsonl").read_text().splitlines()]
+    assert starts[0]["world_size"] == 3 and starts[0]["effective_batch"] == 8  # the shipped batch, split 3+3+2
+
+
+def test_both_engines_agree(runs) -> None:
+    assert_same_run(runs[("zero2", 1)], runs[("ddp", 1)])
+
+
+def test_resumed_at_other_world_sizes_and_engines_continues_the_same_run(runs, tmp_path: Path) -> None:
+    # 2 ranks (DDP) to step 2, 3 ranks (ZeRO-2) to step 4, 5 ranks (ZeRO-3) to step 5: one run folder, one run.
+    for world, engine, until in ((2, "ddp", 2), (3, "zero2", 4), (5, "zero3", STEPS)):
+        train = tiny_train(steps=until, **EXACT, **{"engine.kind": engine})  # lr warmup (20 steps) ignores `steps`
+        handle = submit_training(local(tmp_path, world), train, "resumed")[0]
+        assert handle.wait(timeout_s=600, progress=False) == "COMPLETED", handle.tail(40)
+    run = tmp_path / "resumed"
+    starts = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "start"]
+    assert [(e["step"], e["world_size"], e["engine"]) for e in starts] == [(0, 2, "ddp"), (2, 3, "zero2"), (4, 5, "zero3")]
+    assert_same_run(run, runs[("ddp", 1)])  # step by step the clips and numbers of the uninterrupted run

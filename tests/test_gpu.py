@@ -1,0 +1,120 @@
+"""The shipped training config on a real GPU, through the user's entry point (`python -m jobs.submit --local`).
+
+Marked `gpu`: skipped where no CUDA device exists (CI is CPU-only); run on a GPU machine with
+`python -m pytest -m gpu -q`. configs/train/taehv.yaml as shipped, made small (128×192 synthetic clips,
+12 steps, lr warmup of 2 steps so the loss visibly falls), run with 1, 2, 4 and 32 micro-batches per step
+under every `engine.compile_mode`, with validation and checkpoints in between:
+- every run completes (exit 0, COMPLETED) and its loss falls;
+- CUDA graphs (`reduce-overhead`) give the losses of `default`: the same kernels replayed, so the same
+  numbers up to bf16 rounding and cuDNN's algorithm choice per process (rel 2e-2 over 12 steps);
+- a cancel mid-run (SIGTERM, as a preemption) saves the step and the same --name resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, wait_for
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.timeout(3600)]  # the first test runs the 8 jobs of the module fixture
+
+MODES = ["default", "reduce-overhead"]
+ACCUMULATIONS = [1, 2, 4, 32]
+PER_GPU = 2
+SMALL = {"data.source": "synthetic", "data.height": 128, "data.width": 192, "data.num_clips": 512,
+         "data.val_clips": 4, "teacher.kind": "none", "steps": 12, "optim.warmup_steps": 2, "optim.lr": 1e-3,
+         "intervals.log_every": 1, "intervals.val_every": 5, "intervals.ckpt_every": 4, "batch.per_gpu": PER_GPU}
+SAME_LOSS_REL = 2e-2
+
+
+def cluster_file(folder: Path) -> Path:
+    """A 1-GPU local cluster config, as a user with one GPU writes it."""
+    path = folder / "one_gpu.yaml"
+    cores = min(12, os.cpu_count() or 1)
+    path.write_text(f"backend: local\nnodes: 1\ngpus_per_node: 1\ncpus_per_task: {cores}\ndevice: cuda\n"
+                    f"time_min: 60\nsignal_delay_s: 30\njob_dir: {folder / 'runs'}\n")
+    return path
+
+
+def submit_args(cluster: Path, name: str, **overrides) -> list[str]:
+    settings = {**SMALL, **overrides}
+    sets = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    return [sys.executable, "-m", "jobs.submit", "--local", "--cluster", str(cluster), "--train",
+            "configs/train/taehv.yaml", "--name", name, *sets]
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[tuple[str, int], tuple[subprocess.CompletedProcess, list[dict]]]:
+    folder = tmp_path_factory.mktemp("gpu")
+    cluster = cluster_file(folder)
+    done = {}
+    for mode in MODES:
+        for accum in ACCUMULATIONS:
+            name = f"{mode}-{accum}"
+            out = subprocess.run(submit_args(cluster, name, **{"engine.compile_mode": mode,
+                                                               "batch.effective": PER_GPU * accum}),
+                                 cwd=REPO, capture_output=True, text=True, timeout=900)
+            print(f"{name}: exit {out.returncode}; {out.stdout.strip().splitlines()[-1:]}", flush=True)
+            done[(mode, accum)] = (out, train_rows(folder / "runs" / name))
+    return done
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_compile_mode_at_every_accumulation_completes_with_falling_loss(runs, mode: str) -> None:
+    for (m, accum), (out, rows) in runs.items():
+        if m != mode:
+            continue
+        assert out.returncode == 0, f"{mode} × {accum}: {out.stdout[-3000:]}{out.stderr[-3000:]}"
+        assert "ended: COMPLETED" in out.stdout
+        assert [r["step"] for r in rows] == list(range(1, 13))
+        assert rows[-1]["loss"] < rows[0]["loss"], (mode, accum, [r["loss"] for r in rows])
+
+
+def test_cuda_graphs_give_the_losses_of_default(runs) -> None:
+    for accum in ACCUMULATIONS:
+        reference = [r["loss"] for r in runs[("default", accum)][1]]
+        graphs = [r["loss"] for r in runs[("reduce-overhead", accum)][1]]
+        assert graphs == pytest.approx(reference, rel=SAME_LOSS_REL), accum
+
+
+def test_a_signal_mid_run_saves_and_the_same_name_resumes(tmp_path: Path) -> None:
+    cluster = cluster_file(tmp_path)
+    run_dir = tmp_path / "runs" / "signalled"
+    long = {"steps": 400, "batch.effective": PER_GPU * 4, "intervals.ckpt_every": 1000}
+    first = subprocess.Popen(submit_args(cluster, "signalled", **long), cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    wait_for(lambda: len(train_rows(run_dir)) >= 8, 600, "step 8")
+    job_id = json.loads((run_dir / "events.jsonl").read_text().splitlines()[0])["job_id"]
+    cancel = subprocess.run([sys.executable, "-m", "jobs.cancel", job_id, "--job-dir", str(tmp_path / "runs")],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert cancel.returncode == 0, cancel.stderr
+    output, _ = first.communicate(timeout=300)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    stop = [e for e in events if e["event"] == "cancelled"]
+    assert first.returncode == 1 and "ended: CANCELLED" in output, output[-3000:]
+    assert len(stop) == 1 and stop[0]["step"] >= 8
+    saved = stop[0]["step"]
+    assert (run_dir / "checkpoints" / f"step_{saved:08d}" / "state.pt").is_file()
+    began = time.time()
+    resumed = subprocess.run(submit_args(cluster, "signalled", **{**long, "steps": saved + 6}), cwd=REPO,
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from step {saved}" in resumed.stdout
+    steps = [r["step"] for r in train_rows(run_dir)]
+    assert steps == sorted(set(steps)) and steps[-1] == saved + 6  # each step once, none lost
+    assert [r["step"] for r in train_rows(run_dir) if r["time"] >= began][0] == saved + 1

@@ -1,0 +1,120 @@
+"""`python -m jobs.submit --local` tells the truth (no Slurm: the local backend's controller, real processes).
+
+- a run whose task raises ends FAILED, the CLI exits 1 and prints the error once in one line naming the
+  log that holds the traceback; `jobs.status` shows the error as the run's note;
+- `jobs.status` run from another process shows a running local job as RUNNING;
+- `jobs.cancel` and Ctrl-C stop a local run the way a preemption does on Slurm: every rank saves at its
+  next step, the job ends CANCELLED, and the same --name resumes from the saved step;
+- a rank that dies takes the job down at once (srun's --kill-on-bad-exit), naming that rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from taehv_slurm.config import load_cluster
+from taehv_slurm.handle import submit
+from tests.helpers import REPO, wait_for
+
+TRAIN = ["--train", "configs/train/tiny.yaml"]
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout)
+
+
+def start(job_dir: Path, name: str, *sets: str) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "jobs.submit", "--local", *TRAIN, "--name", name, "--set", f"job_dir={job_dir}",
+            "--set", "intervals.log_every=1", *[a for s in sets for a in ("--set", s)]]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def train_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [r["step"] for r in rows if "loss" in r]
+
+
+def test_a_failing_run_ends_failed_with_its_error_once(tmp_path: Path) -> None:
+    proc = start(tmp_path, "broken", "data.source=video", f"data.path={tmp_path / 'no-videos'}")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-2000:] + err[-2000:]
+    assert "ended: FAILED" in out and "Traceback" not in out + err
+    errors = err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(f"error: ValueError: video folder '{tmp_path / 'no-videos'}' does not exist")
+    log = errors[0].rsplit("full traceback: ", 1)[1]
+    assert Path(log).is_file() and Path(log).read_text().count("Traceback (most recent call last)") == 1
+    status = cli("jobs.status", "--job-dir", str(tmp_path)).stdout
+    assert "FAILED" in status and "video folder" in status
+
+
+def test_status_running_then_cancel_saves_and_the_name_resumes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "cancelled"
+    proc = start(tmp_path, "cancelled", "steps=300")
+    wait_for(lambda: len(train_steps(run_dir)) >= 3, 240, "step 3")
+    job_id = events(run_dir)[0]["job_id"]
+    status = cli("jobs.status", job_id, "--job-dir", str(tmp_path))
+    assert status.returncode == 0 and " RUNNING " in status.stdout, status.stdout + status.stderr
+    cancel = cli("jobs.cancel", job_id, "--job-dir", str(tmp_path))
+    assert cancel.returncode == 0 and f"cancelled job {job_id}" in cancel.stdout
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and f"job {job_id} ended: CANCELLED" in out, out[-2000:] + err[-2000:]
+    (stop,) = [e for e in events(run_dir) if e["event"] == "cancelled"]
+    saved = stop["step"]
+    assert saved >= 3 and f"saved at step {saved}; resume with: python -m jobs.submit --name cancelled" in err
+    assert (run_dir / "checkpoints" / f"step_{saved:08d}").is_dir()
+    assert "CANCELLED" in cli("jobs.status", job_id, "--job-dir", str(tmp_path)).stdout
+
+    resumed = start(tmp_path, "cancelled", f"steps={saved + 3}")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0 and "ended: COMPLETED" in out, out[-2000:] + err[-2000:]
+    assert f"resumed from step {saved}" in out
+    assert train_steps(run_dir) == list(range(1, saved + 4))  # every step once, none lost
+
+
+def test_ctrl_c_saves_like_a_preemption(tmp_path: Path) -> None:
+    run_dir = tmp_path / "interrupted"
+    proc = start(tmp_path, "interrupted", "steps=300")
+    wait_for(lambda: len(train_steps(run_dir)) >= 3, 240, "step 3")
+    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the CLI (the ranks run in their own session)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:] + err[-2000:]
+    assert "interrupted: every rank saves at its next step" in out and "ended: CANCELLED" in out
+    (stop,) = [e for e in events(run_dir) if e["event"] == "cancelled"]
+    assert f"saved at step {stop['step']}" in err and "Traceback" not in out + err
+    assert (run_dir / "checkpoints" / f"step_{stop['step']:08d}").is_dir()
+
+
+class DiesOnRankOne:
+    """Rank 1 dies a moment after the start; rank 0 would wait for it forever in a collective."""
+
+    def __call__(self, ctx) -> None:
+        import time
+
+        import torch.distributed as dist
+
+        from taehv_slurm.distenv import init_distributed
+
+        init_distributed(ctx.env, "gloo", timeout_s=3600)
+        ctx.started(0)
+        if ctx.env.rank == 1:
+            time.sleep(1)
+            os._exit(7)
+        dist.barrier()  # never returns: rank 1 is gone
+
+
+def test_a_rank_that_dies_takes_the_job_down(tmp_path: Path) -> None:
+    cluster = load_cluster(REPO / "configs/cluster/local.yaml", job_dir=str(tmp_path), requeue_on_failure=False)
+    handle = submit(DiesOnRankOne(), cluster, "dies")
+    assert handle.wait(timeout_s=120, progress=False) == "FAILED"
+    assert handle.error == "rank 1 exited with code 7"
