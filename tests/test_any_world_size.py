@@ -1,4 +1,4 @@
-"""Any GPU count, the same training (CPU, gloo, real processes through the local backend).
+"""Any GPU count, the same training (the Slurm testbed: CPU, gloo, one real process per rank).
 
 The tiny config with effective batch 8: world sizes 1, 2, 3 and 5 (3 and 5 split unevenly: 3+3+2 and
 2+2+2+1+1) train the same 5 steps on the same clips, for DDP and ZeRO-2, and a run resumed at another
@@ -29,8 +29,9 @@ import torch
 
 from jobs.submit import submit_training
 from taehv_slurm.checkpoint import Checkpointer
-from taehv_slurm.config import load_cluster
-from tests.helpers import REPO, tiny_train
+from tests.helpers import make_cluster, tiny_train
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 STEPS = 5
 WORLD_SIZES = (1, 2, 3, 5)
@@ -39,9 +40,9 @@ EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckp
          "intervals.record_samples": True, "batch.effective": 8, "batch.per_gpu": 4}
 
 
-def local(job_dir: Path, ranks: int):
-    return load_cluster(REPO / "configs/cluster/local.yaml", job_dir=str(job_dir), tasks_per_node=ranks,
-                        cpus_per_task=1, torch_threads=1)
+def ranks(job_dir: Path, count: int):
+    """One testbed node with `count` ranks (one per fake GPU), as `--gpus-per-node count` asks."""
+    return make_cluster(job_dir, nodes=1, gpus_per_node=count, time_min=15)
 
 
 def samples(run_dir: Path) -> dict[int, list[int]]:
@@ -102,7 +103,7 @@ def runs(tmp_path_factory) -> dict[tuple[str, int], Path]:
     for engine in ("ddp", "zero2"):
         for world in WORLD_SIZES:
             train = tiny_train(steps=STEPS, **EXACT, **{"engine.kind": engine})
-            handles[(engine, world)] = submit_training(local(job_dir, world), train, f"{engine}-{world}")[0]
+            handles[(engine, world)] = submit_training(ranks(job_dir, world), train, f"{engine}-{world}")[0]
     for key, handle in handles.items():
         assert handle.wait(timeout_s=900, progress=False) == "COMPLETED", (key, handle.tail(40))
     return {key: Path(h.run_dir) for key, h in handles.items()}
@@ -124,7 +125,7 @@ def test_resumed_at_other_world_sizes_and_engines_continues_the_same_run(runs, t
     # 2 ranks (DDP) to step 2, 3 ranks (ZeRO-2) to step 4, 5 ranks (ZeRO-3) to step 5: one run folder, one run.
     for world, engine, until in ((2, "ddp", 2), (3, "zero2", 4), (5, "zero3", STEPS)):
         train = tiny_train(steps=until, **EXACT, **{"engine.kind": engine})  # lr warmup (20 steps) ignores `steps`
-        handle = submit_training(local(tmp_path, world), train, "resumed")[0]
+        handle = submit_training(ranks(tmp_path, world), train, "resumed")[0]
         assert handle.wait(timeout_s=600, progress=False) == "COMPLETED", handle.tail(40)
     run = tmp_path / "resumed"
     starts = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "start"]
