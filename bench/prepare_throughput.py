@@ -38,17 +38,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._record import run_info, write_results  # noqa: E402
 from trainer.data import ClipSpec, SyntheticClips, VideoFolderClips  # noqa: E402
-from trainer.losses import Teacher, load_teacher, teacher_frame_count  # noqa: E402
 from trainer.prepare import (  # noqa: E402
     FORMAT,
     SHARD_DIR,
-    Plan,
+    Manifest,
     shard_metadata,
     shard_path,
     verify,
     write_shard,
 )
 from trainer.prepared import PreparedClips  # noqa: E402
+from trainer.shapes import teacher_frame_count  # noqa: E402
+from trainer.teacher import Teacher, load_teacher  # noqa: E402
 
 GIB = 2**30
 
@@ -188,15 +189,15 @@ def bench_read(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     settings = {"data": str(folder / "none"), "frames": t, "height": h, "width": w, "stride": t, "shard_size": per_shard,
                 "teacher_kind": "hunyuanvideo", "teacher_path": "random", "scaling_factor": None, "seed": 0}
     video = {"num_frames": n * t, "rate": "24", "time_base": "1/24", "start_pts": 0, "counted_by": "header"}
-    plan = Plan(settings, {"synthetic.mp4": video}, [("synthetic.mp4", i * t) for i in range(n)], created=time.time())
-    plan.write(out)
+    manifest = Manifest(settings, {"synthetic.mp4": video}, [("synthetic.mp4", i * t) for i in range(n)], created=time.time())
+    manifest.write(out)
     generator = torch.Generator().manual_seed(0)
-    for shard in range(plan.num_shards):
-        ids = list(plan.shard_windows(shard))
+    for shard in range(manifest.num_shards):
+        ids = list(manifest.shard_windows(shard))
         frames = torch.randint(0, 256, (len(ids), t, 3, h, w), dtype=torch.uint8, generator=generator)
         latents = torch.randn((len(ids), t // 4, 16, h // 8, w // 8), generator=generator).bfloat16()
         write_shard(shard_path(out, shard), {"frames": frames, "latents": latents},
-                    shard_metadata(shard, ids, [plan.windows[i] for i in ids], [], (t, h, w), 0.0, rank=0, job_id="bench"))
+                    shard_metadata(shard, ids, [manifest.windows[i] for i in ids], [], (t, h, w), 0.0, rank=0, job_id="bench"))
     report = verify(out)
     assert report.ok, report.table()
     data = PreparedClips(out, ClipSpec(t, h, w))

@@ -84,7 +84,7 @@ def main() -> None:
                      "val_clips": 2, "num_workers": args.workers if on_gpu else 0},
             "model": {} if on_gpu else {"encoder_width": 8, "decoder_widths": [16, 8, 8, 8]},
             "batch": {"effective": 16 if on_gpu else 4, "per_gpu": 8 if on_gpu else 2},
-            "engine": {"kind": "ddp", "compile": args.compile is not None,
+            "engine": {"kind": "allreduce", "compile": args.compile is not None,
                        "compile_mode": args.compile or "default", "precision": "bf16" if on_gpu else "fp32"},
             "intervals": {"log_every": 1, "val_every": 10_000, "ckpt_every": args.ckpt_every, "keep_checkpoints": 2}}
     runtime = {"device": "cuda" if on_gpu else "cpu", "torch_threads": 4 if on_gpu else 1, "rendezvous_timeout_s": 120}

@@ -16,11 +16,11 @@ if [[ $part == single || $part == all ]]; then
   run single python3 bench/train_throughput.py --variants compile_cl --batch ${BATCH:-4,8} --profile compile_cl:4 --out "$out/train_single.json"
   run graphs python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4 --out "$out/train_cuda_graphs.json"
   run single_plain python3 bench/train_throughput.py --variants eager,compile_cl --batch 4 --fast none --out "$out/train_single_plain.json"
-  run engines_1gpu python3 bench/train_throughput.py --variants eager_cl --engines ddp,zero2 --batch 4 --out "$out/engines_1gpu.json"
+  run engines_1gpu python3 bench/train_throughput.py --variants eager_cl --engines allreduce,zero2 --batch 4 --out "$out/engines_1gpu.json"
 fi
 if [[ $part == multi || $part == all ]]; then
-  run scaling python3 bench/train_throughput.py --gpus 2 --engines ddp --multi-variant compile_cl_graphs --batch 4 --out "$out/train_2gpu.json"
-  run engines python3 bench/train_throughput.py --gpus 2 --engines ddp,zero1,zero2,zero3 --multi-variant eager_cl --batch 8 --out "$out/engines_2gpu.json"
+  run scaling python3 bench/train_throughput.py --gpus 2 --engines allreduce --multi-variant compile_cl_graphs --batch 4 --out "$out/train_2gpu.json"
+  run engines python3 bench/train_throughput.py --gpus 2 --engines allreduce,zero1,zero2,zero3 --multi-variant eager_cl --batch 8 --out "$out/engines_2gpu.json"
 fi
 if [[ $part == signal || $part == all ]]; then
   run signal python3 bench/requeue_signal.py --gpus 2 --resume-gpus 1 --steps 30 --signal-at 15 --out "$out/requeue_signal.json"

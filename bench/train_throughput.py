@@ -1,7 +1,7 @@
 """Training throughput of the real TAEHV step: clips/s per GPU, peak memory and MFU, by variant.
 
     python bench/train_throughput.py                      # single-GPU variants on the real shape
-    python bench/train_throughput.py --gpus 2 --engines ddp,zero1,zero2,zero3
+    python bench/train_throughput.py --gpus 2 --engines allreduce,zero1,zero2,zero3
     python bench/train_throughput.py --smoke              # CPU, tiny shapes: checks the script runs
 
 One step = the trainer's own step (trainer.engine: encoder + decoder forward and backward through
@@ -74,7 +74,7 @@ def measure(variant: str, engine_kind: str, batch: int, args: argparse.Namespace
     engine = make_engine(engine_kind, module, device, precision="bf16" if device.type == "cuda" else "fp32",
                          grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01, compile=False,
                          per_gpu_batch=batch, grad_accum=1)
-    if compile_mode and engine_kind == "ddp":
+    if compile_mode and engine_kind == "allreduce":
         engine.forward = torch.compile(module, mode=compile_mode)
     frames = torch.randint(0, 256, (batch, args.frames, 3, args.height, args.width), dtype=torch.uint8, device=device)
     latents = torch.randn(batch, args.frames // 4, 16, args.height // 8, args.width // 8, device=device)
@@ -109,14 +109,14 @@ def profile(variant: str, batch: int, args: argparse.Namespace, device: torch.de
     from torch.profiler import profile as torch_profile
 
     args_once = argparse.Namespace(**{**vars(args), "repeats": 1, "steps": 1})
-    measure(variant, "ddp", batch, args_once, device)  # warm (compile caches are reused)
+    measure(variant, "allreduce", batch, args_once, device)  # warm (compile caches are reused)
     channels_last, compile_mode = VARIANTS[variant]
     torch.manual_seed(0)
     student = TAEHV(TAEHVConfig()).to(device)
     if channels_last:
         student.to(memory_format=torch.channels_last)
     module = DistillModule(student)
-    engine = make_engine("ddp", module, device, precision="bf16", grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95),
+    engine = make_engine("allreduce", module, device, precision="bf16", grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95),
                          weight_decay=0.01, compile=False, per_gpu_batch=batch, grad_accum=1)
     if compile_mode:
         engine.forward = torch.compile(module, mode=compile_mode)
@@ -163,7 +163,7 @@ def main() -> None:
     p.add_argument("--variants", default="eager,eager_cl,compile_cl")
     p.add_argument("--batch", default="4,8")
     p.add_argument("--gpus", type=int, default=1, help="world size for the engine comparison (spawned here)")
-    p.add_argument("--engines", default="ddp", help="with --gpus > 1 or alone: ddp,zero1,zero2,zero3")
+    p.add_argument("--engines", default="allreduce", help="with --gpus > 1 or alone: allreduce,zero1,zero2,zero3")
     p.add_argument("--multi-variant", default="compile_cl", help="model variant used in the multi-GPU runs")
     p.add_argument("--frames", type=int, default=12)
     p.add_argument("--height", type=int, default=480)
@@ -192,7 +192,7 @@ def main() -> None:
                     bf16_matmul_tflops=peak, fast_paths=dict(FAST_PATHS))
     print(json.dumps(info), flush=True)
     rows = []
-    if args.gpus == 1 and any(e != "ddp" for e in args.engines.split(",")):
+    if args.gpus == 1 and any(e != "allreduce" for e in args.engines.split(",")):
         # DeepSpeed needs a process group (and the launcher's variables) even for one rank
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         dist.init_process_group("nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)

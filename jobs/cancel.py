@@ -1,6 +1,6 @@
 """Cancel a submitted run (Slurm sends SIGTERM first: the run saves its step before it ends).
 
-    python -m jobs.cancel JOBID [JOBID ...] [--job-dir runs]
+    python -m jobs.cancel JOB [JOB ...] [--job-dir runs]
 """
 
 from __future__ import annotations
@@ -8,16 +8,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jobs._cli import one_line_errors
-from jobs.status import default_job_dir
+from jobs._cli import add_job_dir, one_line_errors
 from taehv_slurm.handle import JobHandle
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jobs.cancel", description="Cancel submitted runs.")
-    p.add_argument("job_ids", nargs="+", metavar="JOBID")
-    p.add_argument("--job-dir", default=default_job_dir(), help="the cluster config's job_dir (default $TAEHV_JOB_DIR or runs)")
+    p.add_argument("job_ids", nargs="+", metavar="JOB", help="job ids or run names")
+    add_job_dir(p)
     args = p.parse_args(argv)
     handles = [JobHandle.attach(i, args.job_dir) for i in args.job_ids]  # every id checked before any cancel
     for handle in handles:

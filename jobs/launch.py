@@ -16,19 +16,17 @@ takes the node down at once with one line naming it. configs/platform/k8s-job.ya
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import importlib.util
 import json
 import os
-import signal
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobs._cli import DEFAULT_TRAIN, REPO, one_line_errors, resolve
+from jobs._cli import DEFAULT_TRAIN, flag_origins, one_line_errors
 from taehv_slurm.config import (
     ClusterConfig,
     ConfigError,
@@ -39,9 +37,10 @@ from taehv_slurm.config import (
     split_overrides,
 )
 from taehv_slurm.distenv import LAUNCHER_MARK, DistEnv, DistributedSetupError
-from taehv_slurm.plan import plan_for
+from taehv_slurm.messages import first_line
+from taehv_slurm.platform import choose_ranks, for_node, nccl_environ, say, supervise, visible_gpus
 from taehv_slurm.security import make_private_dir
-from taehv_slurm.supervisor import RankCommand, Supervisor
+from taehv_slurm.supervisor import RankCommand
 
 PLATFORM_CLUSTER = "configs/platform/cluster.yaml"
 
@@ -78,86 +77,20 @@ def main(argv: list[str] | None = None) -> int:
     return launch_node(args, argv)
 
 
-# ------------------------------------------------------------------------------------- configs
-
-
 def read_configs(args: argparse.Namespace) -> tuple[ClusterConfig, TrainConfig]:
     """The cluster and train configs with --set applied (the cluster not yet shaped for this node)."""
     cluster_over, train_over = split_overrides(parse_set_args(args.set))
     if "nodes" in cluster_over:
         raise ConfigError("--set nodes: on a platform the number of nodes is WORLD_SIZE; remove --set nodes")
-    return load_cluster(resolve(args.cluster), **cluster_over), load_train(resolve(args.train), **train_over)
+    origins = flag_origins(args)
+    return load_cluster(args.cluster, origins=origins, **cluster_over), load_train(args.train, origins=origins, **train_over)
 
 
-def for_node(base: ClusterConfig, ranks_per_node: int, device: str, source: str) -> ClusterConfig:
-    """The cluster config shaped for this node: one rank per GPU (gpus_per_node = ranks), or CPU ranks."""
-    device = device if device != "auto" else base.device
-    cluster = dataclasses.replace(base, device=device, tasks_per_node=ranks_per_node,
-                                  gpus_per_node=0 if device == "cpu" else ranks_per_node)
-    return cluster.validate(source)
-
-
-def default_run_dir(args: argparse.Namespace, cluster: ClusterConfig, train: TrainConfig) -> Path:
+def run_dir_of(args: argparse.Namespace, cluster: ClusterConfig, train: TrainConfig) -> Path:
     # Stable across restarts (no timestamp): a restarted pod must find the same checkpoints.
     if args.run_dir:
         return Path(args.run_dir)
-    name = train.name if args.task == "train" else args.task.replace(":", "-")
-    return Path(cluster.job_dir) / name
-
-
-def visible_gpus() -> int:
-    """GPUs this node's ranks can use, as torch counts them (CUDA_VISIBLE_DEVICES applies)."""
-    if not any(Path("/dev").glob("nvidia[0-9]*")) and not Path("/dev/kfd").exists():
-        return 0  # no NVIDIA/AMD device files: no GPU, and no need to import torch to learn it
-    import torch
-
-    return torch.cuda.device_count()
-
-
-def choose_ranks(args: argparse.Namespace, device_setting: str, gpus: int, num_nodes: int) -> tuple[int, str]:
-    """(ranks per node, "cuda" | "cpu") from the GPUs found and the flags."""
-    host = socket.gethostname()
-    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--procs-per-node", args.procs_per_node)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag} must be ≥ 1, got {value}")
-    if args.procs_per_node is not None:
-        if args.gpus_per_node is not None:
-            raise ConfigError("--gpus-per-node and --procs-per-node exclude each other: GPU ranks or CPU ranks")
-        if device_setting == "cuda":
-            raise ConfigError("--procs-per-node starts CPU ranks but the cluster config says device: cuda; "
-                              "use --gpus-per-node, or set device: cpu")
-        return args.procs_per_node, "cpu"
-    if device_setting == "cpu" or gpus == 0:
-        if device_setting == "cuda":
-            raise DistributedSetupError(f"{host} shows no GPU but the cluster config says device: cuda; give the "
-                                        "pod its GPUs (e.g. resources.limits nvidia.com/gpu) or set device: cpu")
-        if args.gpus_per_node is None:
-            raise ConfigError(f"{host} shows no GPU: pass --procs-per-node N to run N CPU ranks per node")
-        return args.gpus_per_node, "cpu"
-    wanted = args.gpus_per_node or gpus
-    if wanted > gpus:  # the '1 x 16 on 2 x 8' mistake, caught before CUDA's "invalid device ordinal"
-        total = wanted * num_nodes
-        raise DistributedSetupError(
-            f"--gpus-per-node {wanted} but {host} shows {gpus} GPU(s): a node runs one rank per GPU of its own; "
-            f"for {total} GPUs run {-(-total // gpus)} nodes (WORLD_SIZE = number of nodes) with --gpus-per-node {gpus}"
-        )
-    return wanted, "cuda"
-
-
-def nccl_environ(num_nodes: int, ranks_per_node: int, device: str, train: TrainConfig | None,
-                 cluster: ClusterConfig) -> dict[str, str]:
-    """The plan's NCCL settings for this node count (and the batch check when training)."""
-    # Other tasks only need the NCCL part, which depends on the node count alone: plan a batch that
-    # always splits, of clips so small that the memory check cannot refuse it.
-    spec: TrainConfig | Mapping[str, Any] = train if train is not None else {
-        "data": {"frames": 4, "height": 8, "width": 8},
-        "batch": {"effective": num_nodes * ranks_per_node, "per_gpu": 1}}
-    plan = plan_for(num_nodes, ranks_per_node, spec, gpu_memory_gb=cluster.gpu_memory_gb,
-                    cpus_per_task=cluster.cpus_per_task, device=device)
-    return dict(plan.nccl_env)
-
-
-# ------------------------------------------------------------------------------------ one node
+    return Path(cluster.job_dir) / (train.name if args.task == "train" else args.task.replace(":", "-"))
 
 
 def launch_node(args: argparse.Namespace, argv: list[str]) -> int:
@@ -166,57 +99,27 @@ def launch_node(args: argparse.Namespace, argv: list[str]) -> int:
         raise DistributedSetupError(
             f"jobs.launch found {node.source} task variables: under Slurm submit with `python -m jobs.submit` "
             "(one task per GPU); jobs.launch is for platforms that start one process per node")
-    if ":" in args.task:  # a missing module is this node's error, not one per rank
-        module = args.task.partition(":")[0]
-        try:
-            found = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            found = None
-        if found is None:
-            raise ConfigError(f"--task {args.task}: no module {module!r} on PYTHONPATH; give MODULE:NAME of a "
-                              "callable taking a RunContext")
-    gpus = visible_gpus()
+    if ":" in args.task and importlib.util.find_spec(args.task.partition(":")[0]) is None:
+        raise ConfigError(f"--task {args.task}: no module {args.task.partition(':')[0]!r} on PYTHONPATH; give "
+                          "MODULE:NAME of a callable taking a RunContext")  # this node's error, not one per rank
     base, train = read_configs(args)
-    ranks, device = choose_ranks(args, base.device, gpus, node.num_nodes)
-    cluster = for_node(base, ranks, device, str(resolve(args.cluster)))
+    ranks, device = choose_ranks(args.gpus_per_node, args.procs_per_node, base.device, visible_gpus(), node.num_nodes)
+    cluster = for_node(base, ranks, device, args.cluster)
     extra = nccl_environ(node.num_nodes, ranks, device, train if args.task == "train" else None, cluster)
-    run_dir = make_private_dir(default_run_dir(args, cluster, train).absolute(), cluster.group)
-
+    run_dir = make_private_dir(run_dir_of(args, cluster, train).absolute(), cluster.group)
     # Precedence: the plan's NCCL defaults < the platform's environment < the cluster config's env.
-    base = {**extra, **os.environ, **cluster.env, "PYTHONUNBUFFERED": "1"}
-    base.setdefault("OMP_NUM_THREADS", str(cluster.runtime()["torch_threads"]))
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    environ = {**extra, **os.environ, **cluster.env, "PYTHONUNBUFFERED": "1"}
+    environ.setdefault("OMP_NUM_THREADS", str(cluster.runtime().torch_threads))
     # The ranks re-read the same flags; the device and run folder chosen here are appended (last wins).
     command = [sys.executable, "-m", "jobs.launch", *argv, "--set", f"device={device}", "--run-dir", str(run_dir)]
     ranks_env = [node.for_local_rank(i, ranks) for i in range(ranks)]
-    first, last = ranks_env[0].rank, ranks_env[-1].rank
-    say(f"[launch] node {node.node_rank}/{node.num_nodes} on {socket.gethostname()}: ranks {first}-{last} of "
-        f"{ranks_env[0].world_size} ({ranks} per node, {device}), master {node.master_addr}:{node.master_port}, "
-        f"run folder {run_dir}")
+    say(f"[launch] node {node.node_rank}/{node.num_nodes} on {socket.gethostname()}: ranks {ranks_env[0].rank}-"
+        f"{ranks_env[-1].rank} of {ranks_env[0].world_size} ({ranks} per node, {device}), master {node.master_addr}:"
+        f"{node.master_port}, run folder {run_dir}")
     marked = {LAUNCHER_MARK: "1"}  # the ranks read their rank from us, not from an enclosing Slurm step
     return supervise(node.node_rank, float(cluster.kill_wait_s),
-                     [RankCommand(command, {**base, **env.torchrun_environ(), **marked},
+                     [RankCommand(command, {**environ, **env.torchrun_environ(), **marked},
                                   label=f"rank {env.rank} (local rank {env.local_rank})") for env in ranks_env])
-
-
-def supervise(node_rank: int, grace_s: float, commands: list[RankCommand]) -> int:
-    """Run the node's ranks; the launcher's exit code: 0, the failed rank's code, or 128 + the stop signal."""
-    outcome = Supervisor(grace_s, say=lambda line: say(f"[launch] node {node_rank}: {line}")).run(commands)
-    labels = [c.label for c in commands]
-    if outcome.failed is not None:
-        say(f"error: node {node_rank}: {outcome.describe_failure(labels)}; stopped the {outcome.stopped_others} other "
-            f"rank(s) of this node; {labels[outcome.failed].split(' (')[0]}'s output above says why", err=True)
-        code = outcome.exit_codes[outcome.failed] or 1
-        return code if code > 0 else 128 - code
-    if outcome.stop_signal is not None:
-        name = signal.Signals(outcome.stop_signal).name
-        say(f"[launch] node {node_rank}: all ranks exited after {name}; exiting {128 + outcome.stop_signal} so the "
-            "platform restarts this node (the run resumes from its latest checkpoint)")
-        return 128 + outcome.stop_signal
-    return 0
-
-
-# ------------------------------------------------------------------------------------- one rank
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -225,23 +128,28 @@ def run_rank(args: argparse.Namespace) -> int:
 
     env = DistEnv.from_environ()
     base, train = read_configs(args)
-    cluster = for_node(base, env.local_world_size, "auto", str(resolve(args.cluster)))
-    run_dir = make_private_dir(default_run_dir(args, cluster, train), cluster.group)
+    cluster = for_node(base, env.local_world_size, "auto", args.cluster)
+    run_dir = make_private_dir(run_dir_of(args, cluster, train), cluster.group)
     if args.task == "smoke":
-        return _run_smoke(args, cluster, env)
-    task = make_task(args.task, cluster, train)
+        from taehv_slurm.smoke import SmokeTask
+
+        sizes = tuple(int(s) for s in args.bandwidth_mib.split(",") if s.strip())
+        backend = "gloo" if cluster.device == "cpu" else cluster.dist_backend
+        facts = SmokeTask(backend=backend, rendezvous_timeout_s=cluster.rendezvous_timeout_s, bandwidth_mib=sizes)()
+        say(f"[taehv] smoke: {json.dumps(facts, default=str)}")
+        return 0 if facts["sum"] == facts["expected_sum"] else 1
     # No requeue on failure: on a platform the platform restarts the node, so a failed rank must exit
     # non-zero (the launcher then stops the node) rather than requeue itself and exit 0 as on Slurm.
-    wrapped = RequeueableTask(task, run_dir, cluster.max_requeues, cluster.max_requeues_without_progress,
-                              requeue_on_failure=False, signal_delay_s=cluster.signal_delay_s,
-                              kill_wait_s=cluster.kill_wait_s)
+    wrapped = RequeueableTask(make_task(args.task, cluster, train), run_dir, cluster.max_requeues,
+                              cluster.max_requeues_without_progress, requeue_on_failure=False,
+                              signal_delay_s=cluster.signal_delay_s, kill_wait_s=cluster.kill_wait_s)
     try:
         result = wrapped()
     except StopRequested as err:
         say(f"error: rank {env.rank}: not starting: {err}", err=True)
         return 3
     except Exception as err:  # the traceback is already in this rank's output (RequeueableTask printed it)
-        say(f"error: rank {env.rank}: {type(err).__name__}: {_first_line(err)}", err=True)
+        say(f"error: rank {env.rank}: {type(err).__name__}: {first_line(err)}", err=True)
         return 1
     if env.rank == 0 and result is not None:
         say(f"[taehv] result: {json.dumps(result, default=str)}")
@@ -259,29 +167,6 @@ def make_task(spec: str, cluster: ClusterConfig, train: TrainConfig) -> Callable
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"--task {spec}: cannot import it ({err}); give MODULE:NAME of a callable on PYTHONPATH") from None
     return obj() if isinstance(obj, type) else obj
-
-
-def _run_smoke(args: argparse.Namespace, cluster: ClusterConfig, env: DistEnv) -> int:
-    from taehv_slurm.smoke import SmokeTask
-
-    sizes = tuple(int(s) for s in args.bandwidth_mib.split(",") if s.strip())
-    backend = "gloo" if cluster.device == "cpu" else cluster.dist_backend
-    facts = SmokeTask(backend=backend, rendezvous_timeout_s=cluster.rendezvous_timeout_s, bandwidth_mib=sizes)()
-    say(f"[taehv] smoke: {json.dumps(facts, default=str)}")
-    return 0 if facts["sum"] == facts["expected_sum"] else 1
-
-
-def say(line: str, err: bool = False) -> None:
-    """Write one whole line with one write: ranks share the node's stdout/stderr, and print() writes the
-    newline separately when Python runs unbuffered (PYTHONUNBUFFERED), so lines of two ranks could merge."""
-    stream = sys.stderr if err else sys.stdout
-    stream.write(line + "\n")
-    stream.flush()
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else ""
 
 
 if __name__ == "__main__":

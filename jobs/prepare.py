@@ -18,29 +18,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import sys
 import time
 from pathlib import Path
 
 from jobs._cli import DEFAULT_CLUSTER, LOCAL_CLUSTER, load_cluster_from_args, one_line_errors
 from taehv_slurm.config import ClusterConfig, ConfigError, parse_set_args, split_overrides
-from taehv_slurm.executor import sbatch_preview, task_device
-from taehv_slurm.handle import JobHandle, submit
+from taehv_slurm.executor import sbatch_preview
 from taehv_slurm.security import make_private_dir
 from taehv_slurm.slurm import is_success
 from trainer.prepare import (
-    PLAN_FILE,
-    VIDEOS_FILE,
-    WINDOWS_FILE,
-    Plan,
     PrepareError,
     PrepareSettings,
-    PrepareTask,
+    check_out,
     count_videos,
     finished_shards,
     index_windows,
-    read_plan_info,
+    submit_prepare,
     verify,
 )
 
@@ -98,55 +92,6 @@ def settings_from(args: argparse.Namespace) -> PrepareSettings:
                            args.teacher_kind, args.teacher_path or "", args.scaling_factor).validate()
 
 
-def check_out(out: Path, settings: PrepareSettings) -> Plan | None:
-    """The saved plan when `out` holds this very preparation (resume), None for a new or empty folder."""
-    if out.exists() and not out.is_dir():
-        raise PrepareError(f"--out {out} is a file, not a folder; pass a new folder path")
-    content = []  # empty, or only the window list of an indexing that stopped before prepare.json: start afresh
-    if out.is_dir():
-        content = [p.name for p in out.iterdir() if p.name not in (VIDEOS_FILE, WINDOWS_FILE) and not p.name.startswith(".")]
-    if not content:
-        parent = out.parent if not out.exists() else out
-        while not parent.exists():
-            parent = parent.parent
-        if not _writable(parent):
-            raise PrepareError(f"--out {out}: {parent} is not writable by you; pick a folder you can write")
-        return None
-    if not (out / PLAN_FILE).is_file():
-        raise PrepareError(f"--out {out} is not empty and holds no preparation ({PLAN_FILE}); pass a new or empty folder")
-    if not _writable(out):
-        raise PrepareError(f"--out {out} is not writable by you; pick a folder you can write")
-    info = read_plan_info(out)
-    differ = [f"{key} {info.get(key)!r} → {value!r}" for key, value in settings.identity().items() if info.get(key) != value]
-    if differ:
-        raise PrepareError(f"--out {out} was prepared with other settings ({'; '.join(differ)}); use those settings to "
-                           "resume it, or pass a new --out")
-    return Plan.read(out)
-
-
-def submit_prepare(cluster: ClusterConfig, out: str | Path, run_name: str | None = None, batch: int = 4,
-                   workers: int | None = None, compile: bool = False) -> JobHandle:
-    """Submit the preparation of `out` (its plan already written) as one job; returns its JobHandle."""
-    # After a signal a shard in progress is finished only if that fits well inside what Slurm leaves:
-    # the time before the limit (USR2) or KillWait (preemption), halved for the exit itself.
-    budget = {"timeout": max(5.0, (cluster.signal_delay_s - 10) / 2), "preempted": max(2.0, (cluster.kill_wait_s - 5) / 2)}
-    # The device follows the cluster shape: ranks of a GPU-less config stay on the CPU even where CUDA exists.
-    runtime = {**cluster.runtime(), "device": task_device(cluster)}
-    out = Path(out).resolve()
-    task = PrepareTask(str(out), runtime, batch=batch, workers=workers, compile=compile, finish_budget_s=budget)
-    name = run_name or f"prepare-{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    # plan.total_steps: jobs.status and JobHandle.wait show shards done / shards (rank 0 logs them as steps)
-    record = {"task_kind": "prepare", "out": str(out), "plan": {"total_steps": read_plan_info(out)["shards"]}}
-    return submit(task, cluster, name, record=record)
-
-
-def describe_job(cluster: ClusterConfig) -> str:
-    device = task_device(cluster)
-    return (f"job: {cluster.backend} backend, {cluster.nodes} node(s) × {cluster.tasks_per_node} ranks = "
-            f"{cluster.world_size} ranks, gres {cluster.gres_request or 'none'}, {cluster.cpus_per_task} CPUs/rank, "
-            f"time {cluster.time_min} min, device {device}")
-
-
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -158,14 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     settings = settings_from(args)
     cluster = load_cluster_for(args)
     out = Path(args.out).expanduser()
-    plan = check_out(out, settings)
+    manifest = check_out(out, settings)
     run_name = args.name or f"prepare-{out.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
     if args.dry_run:
-        print(describe_job(cluster))
-        if plan is not None:
+        print(f"job: {cluster.backend} backend, {cluster.nodes} node(s) × {cluster.tasks_per_node} ranks = "
+              f"{cluster.world_size} ranks, gres {cluster.gres_request or 'none'}, {cluster.cpus_per_task} CPUs/rank, "
+              f"time {cluster.time_min} min, device {cluster.task_device()}")
+        if manifest is not None:
             done = len(finished_shards(out))
-            print(f"resume {out}: {plan.describe()}; {done} of {plan.num_shards} shards done")
+            print(f"resume {out}: {manifest.describe()}; {done} of {manifest.num_shards} shards done")
         else:
             videos = sum(1 for _ in count_videos(Path(settings.data)))
             print(f"new preparation in {out}: {videos} video files in {settings.data}; {settings.frames}×{settings.height}×"
@@ -176,17 +123,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nsbatch script ({folder}/):\n{sbatch_preview(cluster, folder)}")
         return 0
 
-    if plan is None:
+    if manifest is None:
         make_private_dir(out, cluster.group)
         print(f"indexing {settings.data} ...", flush=True)
-        plan = index_windows(settings)
-        plan.write(out)
-        skipped = ", ".join(f"{k} {v}" for k, v in sorted(plan.skipped.items())) or "none"
-        print(f"indexed in {plan.index_seconds:.1f} s: {plan.describe()}; skipped files: {skipped}")
+        manifest = index_windows(settings)
+        manifest.write(out)
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(manifest.skipped.items())) or "none"
+        print(f"indexed in {manifest.index_seconds:.1f} s: {manifest.describe()}; skipped files: {skipped}")
     else:
         done = len(finished_shards(out))
-        print(f"resuming {out}: {done} of {plan.num_shards} shards done (window list as indexed on "
-              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(plan.created))}; new videos need a new --out)")
+        print(f"resuming {out}: {done} of {manifest.num_shards} shards done (window list as indexed on "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(manifest.created))}; new videos need a new --out)")
     handle = submit_prepare(cluster, out, run_name, args.batch, args.workers, args.compile)
     print(f"submitted job {handle.job_id}: {cluster.nodes} node(s) × {cluster.tasks_per_node} ranks, run folder {handle.run_dir}")
     print(f"follow: python -m jobs.logs {handle.job_id} --follow --job-dir {cluster.job_dir}")
@@ -207,10 +154,6 @@ def report_verify(out: Path) -> int:
         print(f"train from it: python -m jobs.submit --set data.source=prepared --set data.path={out} --set "
               f"data.frames={frames} --set data.height={height} --set data.width={width} --set teacher.kind=none")
     return 0 if report.ok else 1
-
-
-def _writable(path: Path) -> bool:
-    return os.access(path, os.W_OK | os.X_OK)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ _EXPORTS = {
     "load_train": "config",
     "DistEnv": "distenv", "init_distributed": "distenv",
     "make_executor": "executor", "sbatch_preview": "executor",
-    "JobHandle": "handle", "submit": "handle", "submit_many": "handle",
-    "ScalePlan": "plan", "plan_for": "plan",
+    "JobHandle": "handle", "submit": "submission", "submit_many": "submission",
+    "ScalePlan": "plan", "plan_for": "plan", "plan_for_cluster": "plan",
+    "runs_frame": "reports", "plot_metrics": "reports",
     "RequeueableTask": "requeue", "RunContext": "requeue",
 }
 __all__ = sorted(_EXPORTS)
@@ -34,12 +35,15 @@ if TYPE_CHECKING:  # the same names, for type checkers and IDEs (`X as X` marks 
     from .executor import make_executor as make_executor
     from .executor import sbatch_preview as sbatch_preview
     from .handle import JobHandle as JobHandle
-    from .handle import submit as submit
-    from .handle import submit_many as submit_many
     from .plan import ScalePlan as ScalePlan
     from .plan import plan_for as plan_for
+    from .plan import plan_for_cluster as plan_for_cluster
+    from .reports import plot_metrics as plot_metrics
+    from .reports import runs_frame as runs_frame
     from .requeue import RequeueableTask as RequeueableTask
     from .requeue import RunContext as RunContext
+    from .submission import submit as submit
+    from .submission import submit_many as submit_many
 
 
 def __getattr__(name: str) -> Any:

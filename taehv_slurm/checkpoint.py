@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .messages import first_line
 from .security import check_safe_to_load, make_private_dir
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -221,7 +222,7 @@ def _load_failure(err: BaseException) -> str:
     if found:  # a pickled Python object: rebuilding it could execute code, so it is refused
         return (f"state.pt holds a Python object ({found.group(1)}), not only tensors and plain values, "
                 "and such objects are never unpickled (they could run code)")
-    first = text.strip().splitlines()[0].split(". ")[0] if text.strip() else type(err).__name__
+    first = first_line(err).split(". ")[0]
     return f"state.pt is damaged or not a torch checkpoint: cut short, overwritten, or not written by this library ({first})"
 
 
@@ -231,7 +232,7 @@ def _os_cause(err: BaseException) -> str:
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror
         cause = cause.__cause__ or cause.__context__
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return first_line(err)
 
 
 def write_text_atomic(path: Path, text: str, mode: int = 0o666) -> None:

@@ -32,11 +32,41 @@ SIGNAL_DELAY_MIN_S = 30
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|(^|_)PASS$|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|(^|_)KEY$)", re.I)
 
 
+# What the data and teacher settings accept (checked here, used by the trainer, preflight and jobs.prepare).
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
+TeacherKind = Literal["none", "hunyuanvideo", "cogvideox", "wan"]
+TEACHER_KINDS: tuple[str, ...] = typing.get_args(TeacherKind)[1:]  # the video VAEs (none: latents from shards)
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message is one line that names the problem and the fix."""
 
 
 # ----------------------------------------------------------------------------------------- cluster
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """What a task needs from the cluster config at run time (plain values, pickled into the job)."""
+
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    rendezvous_timeout_s: int = 300
+    collective_timeout_s: int | None = None  # None: the plan's NCCL timeout for the node count
+    torch_threads: int = 1
+    gpu_memory_gb: float = 80.0
+    cpus_per_task: int = 8
+    run_dir: str | None = None  # where a task called directly (no scheduler) writes; None: runs/<train name>
+
+    @classmethod
+    def of(cls, value: RuntimeSettings | Mapping[str, Any] | None) -> RuntimeSettings:
+        """Settings as given, or built from a mapping of the same fields (e.g. read from JSON)."""
+        return value if isinstance(value, RuntimeSettings) else cls(**dict(value or {}))
+
+
+def gpus_here() -> int:
+    """NVIDIA GPUs on this machine, from the driver's device files (no torch import on the submit path)."""
+    return len(list(Path("/dev").glob("nvidia[0-9]*")))
 
 
 @dataclass
@@ -71,6 +101,7 @@ class ClusterConfig:
     secret_env: list[str] = field(default_factory=list)  # env names never written anywhere
     srun_args: list[str] = field(default_factory=lambda: ["--kill-on-bad-exit=1"])
     sbatch_args: dict[str, str] = field(default_factory=dict)  # extra #SBATCH flags, e.g. mail-type
+    array_parallelism: int = 4  # a sweep's runs at once on Slurm (sbatch --array=0-N%4); the rest wait in the queue
     job_dir: str = "runs"  # run folders and the job registry; must be on a filesystem all nodes share
     python: str | None = None  # command that starts python on the nodes; default: this interpreter
     device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda where the nodes have GPUs
@@ -95,17 +126,22 @@ class ClusterConfig:
             return self.gres or None
         return f"gpu:{self.gpus_per_node}" if self.gpus_per_node > 0 else None
 
-    def runtime(self) -> dict[str, Any]:
-        """What a task needs from the cluster config at run time (plain values, safe to pickle)."""
-        return {
-            "device": self.device,
-            "dist_backend": self.dist_backend,
-            "rendezvous_timeout_s": self.rendezvous_timeout_s,
-            "collective_timeout_s": self.collective_timeout_s,
-            "torch_threads": self.torch_threads or self.cpus_per_task,
-            "gpu_memory_gb": self.gpu_memory_gb,
-            "cpus_per_task": self.cpus_per_task,
-        }
+    def task_device(self) -> str:
+        """Where the job's tasks compute: `device`, or for `auto` cuda when each node has GPUs — on the
+        local and debug backends, when THIS machine has them."""
+        if self.device != "auto":
+            return self.device
+        if self.backend != "slurm" and not gpus_here():
+            return "cpu"
+        return "cuda" if self.gpus_per_node > 0 else "cpu"
+
+    def runtime(self, device: str | None = None) -> RuntimeSettings:
+        """What a task needs from the cluster config where it runs (device: override `device`)."""
+        return RuntimeSettings(device=device or self.device, dist_backend=self.dist_backend,
+                               rendezvous_timeout_s=self.rendezvous_timeout_s,
+                               collective_timeout_s=self.collective_timeout_s,
+                               torch_threads=self.torch_threads or self.cpus_per_task, gpu_memory_gb=self.gpu_memory_gb,
+                               cpus_per_task=self.cpus_per_task)
 
     def secret_names(self) -> set[str]:
         """Env names whose values must never be written: listed in secret_env or named like a secret."""
@@ -139,6 +175,8 @@ class ClusterConfig:
             )
         _check(self.cpus_per_task >= 1, source, f"cpus_per_task must be ≥ 1, got {self.cpus_per_task}")
         _check(self.time_min >= 1, source, f"time_min must be ≥ 1, got {self.time_min}")
+        _check(self.array_parallelism >= 1, source, f"array_parallelism must be ≥ 1, got {self.array_parallelism} "
+               "(how many runs of a sweep may run at once)")
         _check(self.signal_delay_s >= SIGNAL_DELAY_MIN_S, source,
                f"signal_delay_s={self.signal_delay_s} is below the minimum of {SIGNAL_DELAY_MIN_S} s: the time-limit "
                "warning (USR2) must leave time to reach a step boundary, save and requeue; set signal_delay_s: "
@@ -193,7 +231,7 @@ class ModelConfig:
 class TeacherConfig:
     # Where the distillation targets come from: latents stored by `jobs.prepare` ("prepared"), or a
     # diffusers VAE run on the fly from a local folder (slow: ~5x the student's step; tests and small runs).
-    kind: Literal["none", "hunyuanvideo", "cogvideox", "wan"] = "none"
+    kind: TeacherKind = "none"
     path: str | None = None
     scaling_factor: float | None = None  # None: the VAE config's value (HunyuanVideo 0.476986)
 
@@ -228,10 +266,12 @@ class BatchConfig:
 
 @dataclass
 class EngineConfig:
-    kind: Literal["auto", "ddp", "zero1", "zero2", "zero3"] = "auto"
+    # allreduce: replicated weights, one all-reduce of a flat gradient buffer per step ("ddp", the name
+    # older configs use, is read as allreduce); zero1/2/3: DeepSpeed ZeRO; auto: the plan picks.
+    kind: Literal["auto", "allreduce", "ddp", "zero1", "zero2", "zero3"] = "auto"
     precision: Literal["bf16", "fp32"] = "bf16"
     compile: bool = True  # torch.compile the model (CUDA only)
-    # torch.compile mode for the ddp engine: CUDA graphs ("reduce-overhead") measured fastest and correct at
+    # torch.compile mode for the allreduce engine: CUDA graphs ("reduce-overhead") measured fastest and correct at
     # any accumulation (docs/benchmarks.md); DeepSpeed engines always compile in "default" mode. Not
     # offered: max-autotune, whose autotuning had not finished after 6 minutes even at 128×192 clips and
     # kept cuDNN for every large convolution anyway.
@@ -271,6 +311,8 @@ class TrainConfig:
 
     def validate(self, source: str = "train config") -> TrainConfig:
         d, b = self.data, self.batch
+        if self.engine.kind == "ddp":
+            self.engine.kind = "allreduce"
         _check(self.steps >= 1, source, f"steps must be ≥ 1, got {self.steps}")
         _check(d.frames >= 4 and d.frames % 4 == 0, source, f"data.frames must be a multiple of 4 (≥ 4), got {d.frames}")
         _check(d.height % 8 == 0 and d.width % 8 == 0 and d.height > 0 and d.width > 0, source,
@@ -293,16 +335,55 @@ class TrainConfig:
 # ------------------------------------------------------------------------------------------ loading
 
 
-def load_cluster(path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None, **overrides: Any) -> ClusterConfig:
-    """Load a cluster config from YAML (or a dict), apply overrides (dotted keys allowed), validate."""
-    data, source = _read(path_or_dict, "cluster config")
-    return _build(ClusterConfig, _apply_overrides(data, overrides), source).validate(source)
+def load_cluster(path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None, *,
+                 origins: Mapping[str, str] | None = None, **overrides: Any) -> ClusterConfig:
+    """Load a cluster config from YAML (or a dict), apply overrides (dotted keys allowed), validate.
+
+    An error names where the bad value came from: the file, or the override that made a valid config
+    invalid — as `origins[key]` says it was given (e.g. '--nodes 0'), else 'override key=value'.
+    """
+    return _load(ClusterConfig, path_or_dict, "cluster config", overrides, origins)
 
 
-def load_train(path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None, **overrides: Any) -> TrainConfig:
-    """Load a training config from YAML (or a dict), apply overrides (dotted keys allowed), validate."""
-    data, source = _read(path_or_dict, "train config")
-    return _build(TrainConfig, _apply_overrides(data, overrides), source).validate(source)
+def load_train(path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None, *,
+               origins: Mapping[str, str] | None = None, **overrides: Any) -> TrainConfig:
+    """Load a training config from YAML (or a dict), apply overrides (dotted keys allowed), validate;
+    errors as `load_cluster` names them."""
+    return _load(TrainConfig, path_or_dict, "train config", overrides, origins)
+
+
+def _load(cls: type, path_or_dict: Any, kind: str, overrides: Mapping[str, Any], origins: Mapping[str, str] | None) -> Any:
+    data, source = _read(path_or_dict, kind)
+
+    def attempt(data: dict[str, Any], where: str) -> Any:
+        return _build(cls, data, where).validate(where)
+
+    try:
+        return attempt(_apply_overrides(data, overrides), source)
+    except ConfigError:
+        if not overrides:
+            raise
+    # Invalid with the overrides: blame the override that broke the config for the last time (applied
+    # in order; one that repairs the file, e.g. --set data.path=..., is welcome), else the file itself.
+    steps = [(None, data)]
+    for key, value in overrides.items():
+        steps.append((key, _apply_overrides(steps[-1][1], {key: value})))
+    culprit = None
+    for (_, before), (key, after) in zip(steps, steps[1:]):
+        if _valid(cls, before) and not _valid(cls, after):
+            culprit = key
+    if culprit is None:
+        return attempt(steps[-1][1], source)  # raises: the file's own error
+    state = next(after for key, after in steps if key == culprit)
+    return attempt(state, (origins or {}).get(culprit) or f"override {culprit}={overrides[culprit]!r}")  # raises
+
+
+def _valid(cls: type, data: dict[str, Any]) -> bool:
+    try:
+        _build(cls, data, "").validate("")
+    except ConfigError:
+        return False
+    return True
 
 
 def parse_set_args(items: list[str] | None) -> dict[str, Any]:
@@ -331,14 +412,24 @@ def split_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[
         elif head in train_keys:
             train[key] = value
         else:
-            hint = _suggest(head, cluster_keys | train_keys)
-            raise ConfigError(f"--set {key}: unknown key '{head}'{hint}")
+            close = difflib.get_close_matches(head, list(cluster_keys | train_keys), n=1, cutoff=0.6)
+            hint = f" (did you mean '{close[0]}'?)" if close else " (keys: see the cluster and train configs in configs/)"
+            raise ConfigError(f"--set {key}={value}: unknown key '{head}'{hint}")
     return cluster, train
 
 
-def to_yaml(cfg: ClusterConfig | TrainConfig) -> str:
-    data = cfg.masked() if isinstance(cfg, ClusterConfig) else cfg.to_dict()
-    return yaml.safe_dump(data, sort_keys=False)
+def shipped_config(path: str | os.PathLike) -> Path | None:
+    """`configs/...` as installed with the package (a wheel carries the example configs), for a relative
+    path that does not exist from here; None when there is no such shipped file."""
+    parts = Path(path).parts
+    if Path(path).is_absolute() or len(parts) < 2 or parts[0] != "configs":
+        return None
+    try:
+        import configs
+    except ImportError:
+        return None
+    candidate = Path(configs.__file__).parent.joinpath(*parts[1:])
+    return candidate if candidate.is_file() else None
 
 
 def _read(path_or_dict: Any, kind: str) -> tuple[dict[str, Any], str]:
@@ -347,6 +438,8 @@ def _read(path_or_dict: Any, kind: str) -> tuple[dict[str, Any], str]:
     if isinstance(path_or_dict, Mapping):
         return dict(path_or_dict), kind
     path = Path(path_or_dict)
+    if not path.is_file():
+        path = shipped_config(path) or path
     if not path.is_file():
         raise ConfigError(f"{kind} {path} not found: check the path (configs/cluster/ and configs/train/ hold examples)")
     try:
@@ -389,14 +482,29 @@ def _deep_copy(data: Any) -> Any:
 def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str = "") -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: '{prefix.rstrip('.')}' must be a mapping of key: value, got {data!r}")
+    if not prefix and (unknown := _unknown_keys(cls, data)):  # every one at once, not one per run
+        raise ConfigError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{key: _coerce(value, hints[key], source, f"{prefix}{key}") for key, value in data.items()})
+
+
+def _unknown_keys(cls: type, data: Any, prefix: str = "") -> list[str]:
+    """Every key of `data`, nested sections included, that `cls` does not have, each with what was
+    probably meant ('optim.lrr' (did you mean 'optim.lr'?)) or the section's keys."""
+    if not isinstance(data, Mapping):
+        return []
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
+    found = []
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{_suggest(str(key), names)}")
-        kwargs[key] = _coerce(value, hints[key], source, f"{prefix}{key}")
-    return cls(**kwargs)
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            found.append(f"'{prefix}{key}' " + (f"(did you mean '{prefix}{close[0]}'?)" if close
+                                                 else f"(keys{' of ' + prefix.rstrip('.') if prefix else ''}: "
+                                                      f"{', '.join(sorted(names))})"))
+        elif dataclasses.is_dataclass(hints[key]):
+            found += _unknown_keys(hints[key], value, f"{prefix}{key}.")
+    return found
 
 
 def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
@@ -443,11 +551,6 @@ def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
             raise ConfigError(f"{source}: '{key}' must be a string, got {value!r}")
         return str(value)
     return value
-
-
-def _suggest(key: str, names: Any) -> str:
-    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(sorted(names))}"
 
 
 def _check(ok: bool, source: str, message: str) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from .messages import first_line
+
 # MASTER_PORT = PORT_BASE + job_id % PORT_SPAN. The range sits below Linux's ephemeral ports
 # (32768–60999), so an outgoing connection never holds it; two jobs on one node share a port only if
 # their ids differ by a multiple of PORT_SPAN (12768 consecutive submissions) and they run together.
@@ -49,10 +51,6 @@ class DistEnv:
     job_id: str
     source: Source
     restart_count: int = 0  # how many times Slurm restarted this job (requeues)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
@@ -296,10 +294,9 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
                 wait_for_workers=True,
             )
         except (RuntimeError, OSError) as err:  # DistStoreError/DistNetworkError subclass RuntimeError
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise DistributedSetupError(
                 f"rank {env.rank}: rendezvous with {env.master_addr}:{env.master_port} failed after "
-                f"≤{rendezvous_timeout_s:.0f} s ({first}); check that MASTER_ADDR is node 0's reachable "
+                f"≤{rendezvous_timeout_s:.0f} s ({first_line(err)}); check that MASTER_ADDR is node 0's reachable "
                 "address and the port is open, or raise rendezvous_timeout_s"
             ) from None
     kwargs = {}

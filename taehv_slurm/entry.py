@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["SUBMITIT_FOLDER"] = str(folder)
 
     import submitit
-    from submitit.core.submission import process_job
+
+    from .submitit_api import process_job
 
     try:
         pickle = submitit.JobEnvironment().paths.submitted_pickle

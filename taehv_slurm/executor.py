@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-from submitit.slurm import slurm as submitit_slurm
 
-from .config import ClusterConfig
+from .config import ClusterConfig, gpus_here
 from .distenv import INHERITED_LAUNCHER_VARS
 from .local import LocalExecutor
-from .slurm import SCONTROL_ENV
+from .slurm import NO_SLURM_HINT, SCONTROL_ENV, says_no_slurm
+from .submitit_api import convert_mem, make_sbatch_string
 
 
 def entry_command(python: str, folder: Path, run_dir: Path | None = None) -> str:
@@ -54,6 +54,7 @@ def setup_lines(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = No
 def slurm_parameters(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """submitit SlurmExecutor parameters (names of its sbatch writer) for every cluster field."""
     params: dict[str, Any] = {
+        "array_parallelism": cluster.array_parallelism,
         "job_name": cluster.name,
         "time": cluster.time_min,
         "nodes": cluster.nodes,
@@ -71,7 +72,7 @@ def slurm_parameters(cluster: ClusterConfig, extra_env: Mapping[str, str] | None
         "qos": cluster.qos,
         "constraint": cluster.constraint,
         "gres": cluster.gres_request,
-        "mem": submitit_slurm._convert_mem(cluster.mem_gb) if cluster.mem_gb else None,
+        "mem": convert_mem(cluster.mem_gb) if cluster.mem_gb else None,
         "exclusive": True if cluster.exclusive else None,
     }
     params.update({k: v for k, v in optional.items() if v is not None})
@@ -109,12 +110,14 @@ def make_executor(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping
 
 
 def sbatch_preview(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping[str, str] | None = None,
-                   run_dir: str | Path | None = None) -> str:
-    """The exact sbatch script `make_executor(cluster, folder, extra_env, run_dir)` submits (secrets never appear in it)."""
+                   run_dir: str | Path | None = None, array_size: int = 1) -> str:
+    """The exact sbatch script `make_executor(cluster, folder, extra_env, run_dir)` submits for one job, or
+    for a job array of `array_size` runs (a sweep); secrets never appear in it."""
     folder = Path(folder)
     python = cluster.python or shlex.quote(sys.executable)
     command = entry_command(python, folder, Path(run_dir) if run_dir is not None else None)
-    return submitit_slurm._make_sbatch_string(command=command, folder=folder, **slurm_parameters(cluster, extra_env))
+    array = {"map_count": array_size} if array_size > 1 else {}
+    return make_sbatch_string(command=command, folder=folder, **slurm_parameters(cluster, extra_env), **array)
 
 
 class SubmissionError(RuntimeError):
@@ -137,6 +140,8 @@ _SBATCH_FIXES = (
 
 def describe_sbatch_error(text: str) -> str:
     """sbatch's own error line plus the fix, from the error text submitit collected."""
+    if says_no_slurm(text):
+        return NO_SLURM_HINT
     lines = [ln.strip() for ln in text.splitlines() if "error:" in ln.lower()]
     reason = lines[-1].split("error:", 1)[-1].strip() if lines else text.strip().splitlines()[-1] if text.strip() else "unknown"
     for needle, fix in _SBATCH_FIXES:
@@ -145,16 +150,3 @@ def describe_sbatch_error(text: str) -> str:
     return f"sbatch rejected the job: {reason}"
 
 
-def gpus_here() -> int:
-    """NVIDIA GPUs on this machine, from the driver's device files (no torch import on the submit path)."""
-    return len(list(Path("/dev").glob("nvidia[0-9]*")))
-
-
-def task_device(cluster: ClusterConfig) -> str:
-    """Where the job's tasks compute: `device` from the config, or for `auto` cuda when each node has
-    GPUs — on the local and debug backends, when THIS machine has them."""
-    if cluster.device != "auto":
-        return cluster.device
-    if cluster.backend != "slurm" and not gpus_here():
-        return "cpu"
-    return "cuda" if cluster.gpus_per_node > 0 else "cpu"

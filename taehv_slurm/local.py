@@ -32,6 +32,7 @@ from typing import Any
 import submitit
 
 from .checkpoint import write_text_atomic
+from .submitit_api import JobPaths
 from .supervisor import RankCommand, Supervisor
 
 LOCAL_REQUEUE_EXIT_CODE = 144  # a rank saved and asks for a restart (submitit's local requeue code)
@@ -188,12 +189,12 @@ class Controller:
         else:
             state = "COMPLETED"
         error = outcome.describe_failure(labels) or (f"ranks exited with codes {codes}" if state == "FAILED" else "")
-        self.write_state(state, exit_codes=codes, error=error)
+        self.write_state(state, exit_codes=codes, error=error, failed_rank=outcome.failed)
         self.say(f"ended {state}" + (f": {error}" if error else ""))
         return 0 if state == "COMPLETED" else 1
 
     def _run_once(self):
-        paths = [submitit.core.utils.JobPaths(self.folder, self.job_id, k) for k in range(self.ntasks)]
+        paths = [JobPaths(self.folder, self.job_id, k) for k in range(self.ntasks)]
         logs = [p.stdout.open("a", buffering=1) for p in paths]
         self._log = logs[0]
         try:

@@ -22,6 +22,8 @@ from typing import Any
 
 import cloudpickle
 
+from .messages import first_line
+
 MAX_DEPTH = 12  # deep enough for task → config → list → object; a cycle or a huge graph stops here
 
 
@@ -68,8 +70,7 @@ def _pickle_error(obj: Any) -> str | None:
     try:
         cloudpickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
     except Exception as err:  # TypeError, PicklingError, AttributeError, RecursionError, ...
-        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return text
+        return first_line(err)
     return None
 
 

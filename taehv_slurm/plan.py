@@ -21,13 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ConfigError, TrainConfig, load_train
+from .config import ClusterConfig, ConfigError, TrainConfig, load_train
 
-# Throughput of each engine relative to DDP, measured on H200s (docs/benchmarks.md): 2 GPUs, a
+# Throughput of each engine relative to allreduce (plain data parallelism), measured on H200s (docs/benchmarks.md): 2 GPUs, a
 # TAEHV-shaped model (ZeRO-2 −7 %, ZeRO-3 −18 %), and 1 GPU with our model (ZeRO-2 −30 %). ZeRO buys
-# no memory worth its cost for an 11 M-parameter model, so the plan prefers DDP and moves to ZeRO only
+# no memory worth its cost for an 11 M-parameter model, so the plan prefers allreduce and moves to ZeRO only
 # when parameters + optimizer states do not fit.
-ENGINE_RELATIVE_SPEED = {"ddp": 1.0, "zero1": 0.95, "zero2": 0.93, "zero3": 0.82}
+ENGINE_RELATIVE_SPEED = {"allreduce": 1.0, "zero1": 0.95, "zero2": 0.93, "zero3": 0.82}
 # Activation memory of one 12×480×720 clip in a bf16 training step (encoder + decoder, forward +
 # backward, torch.compile), measured on H200: peak 35.1 GiB at batch 8 → 4.4 GiB per clip (17.5 GiB
 # at batch 4). Scales with frames × pixels.
@@ -89,7 +89,7 @@ class ScalePlan:
         """Rank `rank`'s micro-batches of one step: `per_gpu_batch` each, the last possibly smaller.
 
         DeepSpeed engines get exactly `grad_accum` entries (0 = a padding micro-batch of weight 0);
-        the DDP engine runs only the micro-batches that hold samples.
+        the allreduce engine runs only the micro-batches that hold samples.
         """
         share, size = self.share(rank), self.per_gpu_batch
         sizes = [size] * (share // size) + ([share % size] if share % size else [])
@@ -161,7 +161,8 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
             )
         engine = max(fitting, key=lambda e: ENGINE_RELATIVE_SPEED[e])
         slower = ", ".join(f"{e} {100 * (ENGINE_RELATIVE_SPEED[e] - 1):+.0f} %" for e in ENGINE_RELATIVE_SPEED if e != engine)
-        reason = f"fastest that fits; measured vs ddp: {slower}" if engine == "ddp" else f"ddp does not fit; {engine} does"
+        reason = (f"fastest that fits; measured vs allreduce: {slower}" if engine == "allreduce"
+                  else f"allreduce does not fit; {engine} does")
 
     timeout = max(t for n, t in NCCL_TIMEOUT_BY_NODES if num_nodes >= n)
     nccl_env: dict[str, str] = {}
@@ -200,6 +201,12 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
         ckpt_every=cfg.intervals.ckpt_every,
         notes=notes,
     )
+
+
+def plan_for_cluster(cluster: ClusterConfig, train: TrainConfig | Mapping[str, Any]) -> ScalePlan:
+    """The plan for a cluster config's shape, GPU memory and cores, on its tasks' device."""
+    return plan_for(cluster.nodes, int(cluster.tasks_per_node or 1), train, gpu_memory_gb=cluster.gpu_memory_gb,
+                    cpus_per_task=cluster.cpus_per_task, device=cluster.task_device())
 
 
 def _split_batch(cfg: TrainConfig, world: int, ranks_per_node: int, num_nodes: int) -> tuple[int, int]:

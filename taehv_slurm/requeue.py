@@ -48,6 +48,7 @@ from .checkpoint import Checkpointer
 from .distenv import DistEnv
 from .local import LOCAL_REQUEUE_EXIT_CODE
 from .local import job_state as local_job_state
+from .messages import one_line
 from .runlock import RunLock
 from .security import make_private_dir
 
@@ -444,7 +445,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
                 f"step (max_requeues_without_progress={self.max_requeues_without_progress}){last}")
 
     def _on_failure(self, ctx: RunContext, err: Exception) -> None:
-        error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        error = one_line(err)
         ctx.events.write("failure", segment=ctx.segment, rank=ctx.env.rank, step=ctx.step, error=error,
                          job_id=ctx.env.job_id, host=socket.gethostname())
         traceback.print_exc()

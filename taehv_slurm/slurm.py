@@ -29,6 +29,27 @@ FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF
 SUCCESS_STATES = frozenset({"COMPLETED"})
 SCONTROL_ENV = "TAEHV_SCONTROL"  # scontrol's path on the nodes, found before the setup lines run
 NO_SLURM_HINT = "no Slurm here: use --local to run on this machine, or set SLURM_CONF to your cluster's slurm.conf"
+# What Slurm's commands say when they find no configuration (no slurm.conf, no DNS SRV record for configless).
+_NO_CONFIG_MARKS = ("Could not establish a configuration source", "_establish_config_source", "fetch_config: DNS SRV")
+
+
+def no_slurm_reason(probe: bool = False) -> str | None:
+    """Why Slurm cannot be used from here, in one line; None when it may be. Checked before asking Slurm
+    (sbatch retries a missing SLURM_CONF for 60 s); probe: also ask `sinfo` whether it finds a
+    configuration, with its output captured (sbatch would print its errors to the terminal)."""
+    if shutil.which("sbatch") is None:
+        return NO_SLURM_HINT
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):
+        return f"SLURM_CONF={conf} names no file: point it at your cluster's slurm.conf, or unset it (or use --local)"
+    if probe and run(["sinfo", "-h", "-o", "%P"], timeout_s=30).error == NO_SLURM_HINT:
+        return NO_SLURM_HINT
+    return None
+
+
+def says_no_slurm(text: str) -> bool:
+    """Whether a Slurm command's error output means there is no Slurm configuration here."""
+    return any(mark in text for mark in _NO_CONFIG_MARKS)
 
 
 def is_final(state: str) -> bool:
@@ -57,6 +78,8 @@ def run(argv: Sequence[str], timeout_s: float = 60) -> Answer:
     except subprocess.TimeoutExpired:
         return Answer(False, error=f"{os.path.basename(argv[0])} did not answer within {timeout_s:.0f} s")
     if result.returncode != 0:
+        if says_no_slurm(result.stderr):
+            return Answer(False, result.stdout, NO_SLURM_HINT)
         lines = (result.stderr or result.stdout).strip().splitlines()
         return Answer(False, result.stdout, lines[-1].strip() if lines else f"exit code {result.returncode}")
     return Answer(True, result.stdout)
@@ -116,9 +139,69 @@ def requeue_fix(error: str) -> str:
     return "see Slurm's answer above"
 
 
+def squeue_reason(job_id: str) -> str:
+    """'still PENDING, reason Resources' for a job Slurm lists, else 'state unknown'."""
+    answer = run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], timeout_s=30)
+    if answer.ok and answer.output.strip():
+        state, _, reason = answer.output.strip().partition(" ")
+        return f"still {state}, reason {reason}"
+    return "state unknown"
+
+
+# ---------------------------------------------------------------------------------------- sinfo
+
+# Node states a job can run on (sinfo %T, lower case, flags like '*' or '~' stripped).
+USABLE_NODE_STATES = frozenset({"idle", "mixed", "allocated", "completing", "planned", "reserved"})
+
+
+def sinfo(args: Sequence[str]) -> Answer:
+    """sinfo's answer, with the reason in one line (and what to do) when it cannot give one."""
+    if reason := no_slurm_reason():
+        return Answer(False, error=reason)
+    answer = run(["sinfo", *args], timeout_s=60)
+    if answer.ok:
+        return Answer(True, "\n".join(line for line in answer.output.splitlines() if line.strip()))
+    if answer.error == NO_SLURM_HINT:
+        return answer
+    if "did not answer" in answer.error:
+        return Answer(False, error="sinfo did not answer within 60 s: the Slurm controller is unreachable or overloaded")
+    return Answer(False, error=f"sinfo failed: {answer.error}")
+
+
+def parse_gres(text: str) -> dict[str, int]:
+    """'gpu:h100:8(S:0-1),gpu:2' → {'gpu': 10, 'gpu:h100': 8, ...}: count per name and per name:type."""
+    counts: dict[str, int] = {}
+    for item in re.split(r",(?![^(]*\))", text or ""):
+        item = re.sub(r"\(.*?\)", "", item).strip()
+        if not item or item == "(null)":
+            continue
+        parts = item.split(":")
+        count = int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+        name = parts[0]
+        counts[name] = counts.get(name, 0) + count
+        if len(parts) == 3:
+            typed = f"{name}:{parts[1]}"
+            counts[typed] = counts.get(typed, 0) + count
+    return counts
+
+
+def limit_minutes(limit: str) -> int | None:
+    """Slurm's time limit text in minutes: 'infinite', 'D-HH[:MM[:SS]]', 'HH:MM:SS', 'MM:SS' or 'MM'."""
+    if limit in ("infinite", "UNLIMITED", "n/a", ""):
+        return None
+    days, dash, rest = limit.partition("-") if "-" in limit else ("0", "", limit)
+    parts = [int(p) for p in rest.split(":")]
+    if dash or len(parts) == 3:  # hours first
+        hours, minutes = parts[0], parts[1] if len(parts) > 1 else 0
+    else:  # minutes first (MM or MM:SS)
+        hours, minutes = 0, parts[0]
+    return int(days) * 1440 + hours * 60 + minutes
+
+
 # ---------------------------------------------------------------------------------------- sacct
 
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "NTasks", "NodeList", "Submit", "Start", "End")
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "NTasks", "NodeList", "Submit", "Start",
+                "End", "MaxRSS", "AllocTRES")
 
 
 def sacct_state(job_id: str) -> str | None:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
+import select
+import struct
 import subprocess
+import termios
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -98,3 +103,27 @@ def mounted_tmpfs(mount: Path, options: str) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def in_terminal(argv: list[str], cwd: Path, columns: int = 150, timeout: float = 600) -> tuple[int, str]:
+    """Run argv with a pseudo-terminal as stdin/stdout/stderr, as in an interactive shell: (exit code, output)."""
+    parent, child = os.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": str(columns)}
+    proc = subprocess.Popen(argv, stdin=child, stdout=child, stderr=child, cwd=cwd, env=env, close_fds=True)
+    os.close(child)
+    chunks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([parent], [], [], 1)[0]:
+            try:
+                data = os.read(parent, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    code = proc.wait(timeout=60)
+    os.close(parent)
+    return code, b"".join(chunks).decode(errors="replace")

@@ -226,6 +226,8 @@ class Testbed:
         if self.accounting:
             lines += ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=localhost",
                       f"AccountingStoragePort={self.dbd_port}", "JobAcctGatherType=jobacct_gather/linux"]
+            if self.gpus_per_node:  # GPUs in each job's accounting (AllocTRES), as sites that bill GPUs set it
+                lines.append("AccountingStorageTRES=gres/gpu")
         else:
             lines += ["AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none"]
         memory_mb = max(1000, _memory_mb() // self.nodes)  # only checked against --mem requests (CR_Core)

@@ -1,8 +1,9 @@
 """Any GPU count, the same training (the Slurm testbed: CPU, gloo, one real process per rank).
 
 The tiny config with effective batch 8: world sizes 1, 2, 3 and 5 (3 and 5 split unevenly: 3+3+2 and
-2+2+2+1+1) train the same 5 steps on the same clips, for DDP and ZeRO-2, and a run resumed at another
-world size continues the same run.
+2+2+2+1+1) train the same 5 steps on the same clips, for the flat all-reduce engine and ZeRO-2, and a run
+resumed at another world size continues the same run. Their exports (jobs.export) are the same file
+where the weights are the same.
 
 Tolerances, and why. Only the arithmetic order differs between world sizes (a rank sums its share, the
 all-reduce sums the ranks; a convolution over 3 clips blocks its sums differently than over 4), which
@@ -14,8 +15,8 @@ changes a gradient by a few units in its last place (≈1e-7 relative):
   AdamW divides each gradient component by its own running size (+ eps = 1e-8), so a component that is
   itself ~1e-8 — where last-place rounding of the sums that produce it is relatively large — can take a
   different step of up to lr (Σ lr over these 5 warmup steps = 7.5e-4). The same arithmetic difference
-  between two engines on ONE rank (ZeRO-2 vs DDP) measures 8e-4 relative and 1.4e-4 at most; DDP at 2
-  ranks is bit-identical to 1 rank (same micro-batch shapes).
+  between two engines on ONE rank (ZeRO-2 vs all-reduce) measures 8e-4 relative and 1.4e-4 at most; the
+  all-reduce engine at 2 ranks is bit-identical to 1 rank (same micro-batch shapes).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.submit import submit_training
 from taehv_slurm.checkpoint import Checkpointer
 from tests.helpers import make_cluster, tiny_train
+from trainer.submit import submit_training
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -100,7 +101,7 @@ def runs(tmp_path_factory) -> dict[tuple[str, int], Path]:
     """Every (engine, world size) run, submitted at once, waited for; run folder by key."""
     job_dir = tmp_path_factory.mktemp("worlds")
     handles = {}
-    for engine in ("ddp", "zero2"):
+    for engine in ("allreduce", "zero2"):
         for world in WORLD_SIZES:
             train = tiny_train(steps=STEPS, **EXACT, **{"engine.kind": engine})
             handles[(engine, world)] = submit_training(ranks(job_dir, world), train, f"{engine}-{world}")[0]
@@ -109,7 +110,7 @@ def runs(tmp_path_factory) -> dict[tuple[str, int], Path]:
     return {key: Path(h.run_dir) for key, h in handles.items()}
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero2"])
+@pytest.mark.parametrize("engine", ["allreduce", "zero2"])
 def test_every_world_size_trains_the_same_steps(runs, engine: str) -> None:
     for world in WORLD_SIZES[1:]:
         assert_same_run(runs[(engine, world)], runs[(engine, 1)])
@@ -118,16 +119,31 @@ def test_every_world_size_trains_the_same_steps(runs, engine: str) -> None:
 
 
 def test_both_engines_agree(runs) -> None:
-    assert_same_run(runs[("zero2", 1)], runs[("ddp", 1)])
+    assert_same_run(runs[("zero2", 1)], runs[("allreduce", 1)])
 
 
 def test_resumed_at_other_world_sizes_and_engines_continues_the_same_run(runs, tmp_path: Path) -> None:
-    # 2 ranks (DDP) to step 2, 3 ranks (ZeRO-2) to step 4, 5 ranks (ZeRO-3) to step 5: one run folder, one run.
+    # 2 ranks (all-reduce, by its old name `ddp`) to step 2, 3 ranks (ZeRO-2) to step 4, 5 ranks (ZeRO-3) to step 5: one run folder, one run.
     for world, engine, until in ((2, "ddp", 2), (3, "zero2", 4), (5, "zero3", STEPS)):
         train = tiny_train(steps=until, **EXACT, **{"engine.kind": engine})  # lr warmup (20 steps) ignores `steps`
         handle = submit_training(ranks(tmp_path, world), train, "resumed")[0]
         assert handle.wait(timeout_s=600, progress=False) == "COMPLETED", handle.tail(40)
     run = tmp_path / "resumed"
     starts = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "start"]
-    assert [(e["step"], e["world_size"], e["engine"]) for e in starts] == [(0, 2, "ddp"), (2, 3, "zero2"), (4, 5, "zero3")]
-    assert_same_run(run, runs[("ddp", 1)])  # step by step the clips and numbers of the uninterrupted run
+    assert [(e["step"], e["world_size"], e["engine"]) for e in starts] == [(0, 2, "allreduce"), (2, 3, "zero2"), (4, 5, "zero3")]
+    assert_same_run(run, runs[("allreduce", 1)])  # step by step the clips and numbers of the uninterrupted run
+
+
+def test_export_depends_only_on_the_weights(runs, tmp_path: Path) -> None:
+    from trainer.export import export_weights
+
+    files = {key: export_weights(run, tmp_path / f"{key[0]}-{key[1]}.safetensors", "fp32").weights
+             for key, run in runs.items()}
+    # the same weights (all-reduce at 1 and 2 ranks are bit-identical) give the same bytes, whatever trained them
+    assert files[("allreduce", 1)].read_bytes() == files[("allreduce", 2)].read_bytes()
+    from safetensors.torch import load_file
+
+    reference = load_file(files[("allreduce", 1)])
+    for key, path in files.items():
+        exported = load_file(path)
+        assert list(exported) == list(reference) and max_difference(exported, reference) <= WEIGHTS_ATOL, key

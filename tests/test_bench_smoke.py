@@ -40,7 +40,7 @@ def test_prepare_throughput_smoke(tmp_path: Path) -> None:
 def test_train_throughput_smoke(tmp_path: Path) -> None:
     _, result = run_smoke("train_throughput.py", tmp_path / "train.json")
     assert result["info"]["train_tflop_per_clip"] > 0
-    assert [(row["variant"], row["engine"]) for row in result["rows"]] == [("eager", "ddp")]
+    assert [(row["variant"], row["engine"]) for row in result["rows"]] == [("eager", "allreduce")]
     assert all(row["clips_per_s_per_gpu"] > 0 for row in result["rows"])
 
 

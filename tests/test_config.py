@@ -11,6 +11,7 @@ import pytest
 from taehv_slurm.config import (
     ClusterConfig,
     ConfigError,
+    OptimConfig,
     TrainConfig,
     load_cluster,
     load_train,
@@ -54,15 +55,32 @@ def test_malformed_yaml_names_the_line(tmp_path: Path) -> None:
     assert "malformed YAML" in message and "line" in message and str(path) in message
 
 
-def test_unknown_key_suggests_the_right_one(tmp_path: Path) -> None:
+def test_unknown_keys_are_reported_at_once_with_suggestions(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("nodse: 2\n")
     with pytest.raises(ConfigError) as err:
         load_cluster(path)
-    assert "unknown key 'nodse'; did you mean 'nodes'?" in one_line(err)
+    assert one_line(err) == f"{path}: unknown key 'nodse' (did you mean 'nodes'?)"
     with pytest.raises(ConfigError) as err:
-        load_train({"optim": {"lr_sheduler": "cosine"}})
-    assert "unknown key 'optim.lr_sheduler'" in one_line(err)
+        load_train({"stepz": 3, "optim": {"lrr": 1, "zzz": 2}, "data": {"frame": 8}})
+    optim_keys = ", ".join(sorted(f.name for f in dataclasses.fields(OptimConfig)))
+    assert one_line(err) == (
+        "train config: unknown keys 'stepz' (did you mean 'steps'?), 'optim.lrr' (did you mean 'optim.lr'?), "
+        f"'optim.zzz' (keys of optim: {optim_keys}), 'data.frame' (did you mean 'data.frames'?)")
+
+
+def test_an_override_that_breaks_a_valid_config_is_named_as_given() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_cluster({"nodes": 2}, origins={"nodes": "--nodes 0"}, nodes=0)
+    assert one_line(err).startswith("--nodes 0: nodes must be ≥ 1")
+    with pytest.raises(ConfigError) as err:
+        load_train({}, **{"optim.lrr": 1})
+    assert one_line(err) == "override optim.lrr=1: unknown key 'optim.lrr' (did you mean 'optim.lr'?)"
+    # An override that repairs the file is welcome; the file's own error names the file.
+    assert load_train({"data": {"source": "video"}}, **{"data.path": "/v"}).data.path == "/v"
+    with pytest.raises(ConfigError) as err:
+        load_train({"data": {"source": "video"}}, origins={"steps": "--set steps=3"}, steps=3)
+    assert one_line(err).startswith("train config: data.source=video needs data.path")
 
 
 @pytest.mark.parametrize(("data", "needle"), [
@@ -129,15 +147,16 @@ def test_every_cluster_field_reaches_the_script_or_the_job(tmp_path: Path) -> No
     assert "--cpu-bind=none" in script and "-m taehv_slurm.entry" in script
     assert "hf_supersecret" not in script and "HF_TOKEN" not in script
     # The fields that shape the job at run time travel with the task.
-    runtime = cfg.runtime()
+    runtime = {f.name for f in dataclasses.fields(cfg.runtime())}
     assert {"device", "dist_backend", "rendezvous_timeout_s", "collective_timeout_s", "torch_threads",
-            "gpu_memory_gb", "cpus_per_task"} <= set(runtime)
+            "gpu_memory_gb", "cpus_per_task"} <= runtime
     scheduler = {"name", "partition", "account", "qos", "constraint", "nodes", "gpus_per_node", "tasks_per_node", "gres",
                  "cpus_per_task", "mem_gb", "time_min", "exclusive", "signal_delay_s", "setup", "env", "srun_args",
-                 "sbatch_args", "group", "python", "backend", "job_dir", "allow_task_gpu_mismatch", "secret_env"}
+                 "sbatch_args", "group", "python", "backend", "job_dir", "allow_task_gpu_mismatch", "secret_env",
+                 "array_parallelism"}
     requeue = {"kill_wait_s", "max_requeues", "max_requeues_without_progress", "requeue_on_failure"}
     every = {f.name for f in dataclasses.fields(ClusterConfig)}
-    assert every <= scheduler | requeue | set(runtime), every - scheduler - requeue - set(runtime)
+    assert every <= scheduler | requeue | runtime, every - scheduler - requeue - runtime
 
 
 def test_secrets_are_masked() -> None:

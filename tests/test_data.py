@@ -233,7 +233,7 @@ def test_order_is_pinned() -> None:
     assert [GlobalOrder(10, seed=0).item_at(p) for p in range(10)] == [5, 7, 1, 4, 2, 8, 0, 6, 3, 9]
 
 
-def rank_layouts(world: int, effective: int, per_gpu: int, engine: str = "ddp") -> list[tuple[int, list[int]]]:
+def rank_layouts(world: int, effective: int, per_gpu: int, engine: str = "allreduce") -> list[tuple[int, list[int]]]:
     """(first sample, micro-batch sizes) of every rank, from the plan as the trainer gets it."""
     from taehv_slurm.plan import plan_for
 

@@ -1,4 +1,4 @@
-"""Every engine (DDP, DeepSpeed ZeRO-1/2/3) trains, and its state moves to every other engine unchanged.
+"""Every engine (flat all-reduce, DeepSpeed ZeRO-1/2/3) trains, and its state moves to every other engine unchanged.
 
 One real torch.distributed process group (gloo, world size 1) in this process: DeepSpeed needs one even
 for one rank. The multi-rank paths run on the Slurm testbed (tests/test_requeue.py).
@@ -14,7 +14,7 @@ from trainer.engine import Microbatch, make_engine
 from trainer.losses import DistillModule
 from trainer.model import TAEHV, TAEHVConfig
 
-ENGINES = ["ddp", "zero1", "zero2", "zero3"]
+ENGINES = ["allreduce", "zero1", "zero2", "zero3"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,6 +66,6 @@ def test_engine_trains_and_hands_its_state_to_every_other_engine(kind: str) -> N
 
 
 def source_next_loss(state) -> float:
-    reference = engine("ddp")
+    reference = engine("allreduce")
     reference.load_full_state(state)
     return loss_of(reference.train_step([batch(100), batch(101)], 1e-3))

@@ -7,7 +7,6 @@ Entries whose behaviour other test files already cover name those tests in the d
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import re
@@ -21,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.launch import choose_ranks
 from taehv_slurm.checkpoint import Checkpointer, CheckpointError
 from taehv_slurm.distenv import DistributedSetupError
 from taehv_slurm.picklecheck import UnpicklableTaskError, check_picklable
+from taehv_slurm.platform import choose_ranks
 from tests.helpers import mounted_tmpfs, tiny_train
 from tests.videos import write_garbage, write_video
 from trainer.data import ClipSpec, VideoFolderClips
@@ -93,7 +92,29 @@ def test_missing_partition_on_the_command_line(tmp_path: Path) -> None:
     shutil.copy(REPO / "configs/cluster/testbed.yaml", tmp_path / "cluster.yaml")
     code, err = cli("jobs.submit", "--cluster", "cluster.yaml", "--task", "smoke", "--set", "partition=nosuch",
                     "--set", "job_dir=runs", cwd=tmp_path)
-    assert code == 2 and err.splitlines()[-1] == documented("missing-partition")  # sbatch's own lines come first
+    assert code == 2 and err == documented("missing-partition")  # sbatch's own lines are not repeated
+    assert not (tmp_path / "runs").exists()  # a refused submit leaves no run folder
+
+
+def test_no_slurm_here_is_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    cases = [({**env, "PATH": str(tmp_path)}, documented("no-slurm")),  # no Slurm commands at all
+             ({**env, "SLURM_CONF": str(tmp_path / "nowhere.conf")}, documented("no-slurm-conf").replace(
+                 "$TMP", str(tmp_path)))]
+    if not Path("/etc/slurm/slurm.conf").exists():  # Slurm installed but no configuration: sbatch's DNS lookup fails
+        cases.append((env, documented("no-slurm")))
+    # Each CLI path once (the training submit, a task submit, preflight's partition row), each cause once.
+    commands = [["jobs.submit", "--nodes", "1"], ["jobs.submit", "--task", "smoke"], ["jobs.preflight", "--nodes", "1"]]
+    for n, (environ, expected) in enumerate(cases):
+        for args in (commands if n == 0 else commands[::2]):
+            out = subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True,
+                                 timeout=300, env={**environ, "PYTHONPATH": str(REPO)})
+            if args[0] == "jobs.preflight":
+                row = [line for line in out.stdout.splitlines() if line.startswith("partition")]
+                assert out.returncode == 1 and row == [f"partition          FAIL    {expected.removeprefix('error: ')}"]
+            else:
+                assert out.returncode == 2 and out.stderr.strip() == expected, out.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # preflight's writable check; nothing submitted
 
 
 # ------------------------------------------------------------------------------------ launcher
@@ -109,9 +130,8 @@ def test_launcher_setup_errors(tmp_path: Path) -> None:
 
 def test_launcher_refuses_more_gpus_per_node_than_the_node_has() -> None:
     # The platform form of '1 x 16 on 2 x 8': asking one node for 16 GPUs where torch sees 8.
-    args = argparse.Namespace(gpus_per_node=16, procs_per_node=None)
     with pytest.raises(DistributedSetupError) as err:
-        choose_ranks(args, "auto", gpus=8, num_nodes=1)
+        choose_ranks(16, None, "auto", gpus=8, num_nodes=1)
     assert as_documented(f"error: {err.value}") == documented("launch-gpus-per-node")
 
 

@@ -7,21 +7,19 @@ the module's wall time is about that of its longest job):
   then COMPLETED; its TensorBoard files and rank-0 log are read back.
 - `doomed`: a long training, cancelled with `python -m jobs.cancel` once it trains → CANCELLED.
 - `crash`: tests.tasks.CrashAfterStart with requeue_on_failure off → FAILED with its error.
-- a sweep of two learning rates through `python -m jobs.submit --sweep` → one job array.
+- a sweep of two learning rates through `python -m jobs.submit --sweep --max-parallel 1` → one job
+  array whose runs go one at a time.
 """
 
 from __future__ import annotations
 
-import fcntl
+import csv
+import io
 import json
 import os
-import pty
 import re
-import select
-import struct
 import subprocess
 import sys
-import termios
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,10 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from jobs.submit import submit_training
-from taehv_slurm.handle import JobHandle, registry_frame, runs_frame, submit
-from tests.helpers import REPO, make_cluster, tiny_train, wait_done, wait_for
+from taehv_slurm.handle import JobHandle
+from taehv_slurm.reports import registry_frame, runs_frame
+from taehv_slurm.submission import submit
+from tests.helpers import REPO, in_terminal, make_cluster, tiny_train, wait_done, wait_for
 from tests.tasks import CrashAfterStart
+from trainer.submit import submit_training
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -73,7 +73,7 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
         [sys.executable, "-m", "jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--train",
          "configs/train/tiny.yaml", "--nodes", "1", "--gpus-per-node", "1", "--time-min", "10",
          "--set", f"job_dir={job_dir}", "--set", "steps=6", "--set", "intervals.log_every=2",
-         "--sweep", "optim.lr=" + ",".join(f"{lr:g}" for lr in LRS), "--name", "lr-sweep"],
+         "--sweep", "optim.lr=" + ",".join(f"{lr:g}" for lr in LRS), "--max-parallel", "1", "--name", "lr-sweep"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     submitted = Jobs(
@@ -225,6 +225,23 @@ def test_requeued_job_completes_with_requeue_in_metrics_and_sacct(jobs: Jobs, ca
     row = next(line for line in status.stdout.splitlines() if line.startswith(train.job_id + " "))
     assert row.split()[1:6] == ["observed", "COMPLETED", "1", "2", f"{TRAIN_STEPS}/{TRAIN_STEPS}"]
     assert row.split()[6] == "1" and f"requeued at step {step}" in row
+    as_json = json.loads(cli("jobs.status", train.job_id, "--format", "json", "--job-dir", str(jobs.job_dir)).stdout)
+    assert [(r["job_id"], r["state"], r["step"], r["requeues"]) for r in as_json] == \
+        [(train.job_id, "COMPLETED", f"{TRAIN_STEPS}/{TRAIN_STEPS}", 1)]
+    as_csv = list(csv.DictReader(io.StringIO(cli("jobs.status", train.job_id, "--format", "csv", "--job-dir",
+                                                 str(jobs.job_dir)).stdout)))
+    assert [(r["run"], r["state"], r["requeues"]) for r in as_csv] == [("observed", "COMPLETED", "1")]
+
+    # Slurm's accounting from the CLI: one row per attempt (the requeued one, then the one that completed).
+    acct = json.loads(cli("jobs.status", train.job_id, "--accounting", "--format", "json", "--job-dir",
+                          str(jobs.job_dir)).stdout)
+    assert [(r["attempt"], r["state"]) for r in acct] == [(0, "REQUEUED"), (1, "COMPLETED")]
+    assert all(r["gpus"] == 2 and r["nodes"] == 1 and r["elapsed_s"] > 0 and r["max_rss_gb"] > 0.05 for r in acct)
+    table = cli("jobs.status", train.job_id, "--accounting", "--job-dir", str(jobs.job_dir)).stdout.splitlines()
+    assert table[0].split()[:4] == ["job_id", "run", "attempt", "state"] and len(table) == 3
+    rows = list(csv.DictReader(io.StringIO(cli("jobs.status", train.job_id, "--accounting", "--format", "csv",
+                                               "--job-dir", str(jobs.job_dir)).stdout)))
+    assert [r["state"] for r in rows] == ["REQUEUED", "COMPLETED"] and rows[1]["exit_code"] == "0:0"
 
     # `jobs.logs --follow`, started while the job ran, followed it across the requeue to its end.
     assert jobs.follower is not None
@@ -277,28 +294,7 @@ def test_progress_is_plain_lines_without_a_tty(jobs: Jobs) -> None:
     code = ("import sys, pathlib, tempfile; from trainer.train import MetricsWriter;"
             "w = MetricsWriter(pathlib.Path(tempfile.mkdtemp()), 0, True, 4);"
             "[w.write(s, {'loss': 1.0 / s}) for s in range(1, 5)]; w.close(); print('DONE')")
-    parent, child = pty.openpty()
-    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a 0-column terminal hides the bar
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=child, stdout=child, stderr=child, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, close_fds=True)
-    os.close(child)
-    chunks = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([parent], [], [], 1)
-        if ready:
-            try:
-                data = os.read(parent, 4096)
-            except OSError:  # the child closed the terminal
-                break
-            if not data:
-                break
-            chunks.append(data)
-        elif proc.poll() is not None:
-            break
-    proc.wait(timeout=30)
-    os.close(parent)
-    shown = b"".join(chunks).decode(errors="replace")
+    _, shown = in_terminal([sys.executable, "-c", code], REPO, columns=100)  # a 0-column terminal hides the bar
     assert "DONE" in shown and "\rtrain: 100%|" in shown and "4/4" in shown, shown[-2000:]
     assert "train step" not in shown
 
@@ -310,8 +306,13 @@ def test_sweep_cli_submits_one_job_array(jobs: Jobs) -> None:
     ids = sweep_ids(jobs)
     assert len(ids) == 2 and ids[0].split("_")[0] == ids[1].split("_")[0]  # one array: A_0, A_1
     assert "sweep of 2 runs (one job array)" in jobs.sweep_cli.stdout
+    script = next((jobs.job_dir / "lr-sweep" / "submitit").glob("*_submission.sh")).read_text()
+    assert "#SBATCH --array=0-1%1" in script  # --max-parallel 1: Slurm runs them one after the other
     for job_id in ids:
         assert wait_done(job_id, 600) == "COMPLETED", JobHandle.attach(job_id, jobs.job_dir).tail(60)
+    handles = [JobHandle.attach(i, jobs.job_dir) for i in ids]
+    spans = sorted((r["Start"], r["End"]) for h in handles for r in wait_for(lambda h=h: allocation_rows(h), 60, "sacct"))
+    assert len(spans) == 2 and spans[0][1] <= spans[1][0], spans  # never both at once
     frame = runs_frame(ids, job_dir=jobs.job_dir)
     assert {"job_id", "run", "optim.lr", "loss", "step"} <= set(frame.columns)
     assert sorted(frame["optim.lr"].unique()) == list(LRS)
@@ -360,7 +361,7 @@ def test_registry_lists_every_run_with_masked_secrets(jobs: Jobs) -> None:
 def test_unknown_job_id_is_one_line_exit_2(jobs: Jobs, command: list[str]) -> None:
     out = cli(*command, "--job-dir", str(jobs.job_dir), timeout=60)
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: no job 999999 in ")
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: no job or run 999999 in ")
     assert "latest: " in out.stderr
 
 

@@ -17,8 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from taehv_slurm.config import load_cluster
-from taehv_slurm.handle import submit
+from taehv_slurm.submission import submit
 from tests.helpers import REPO, wait_for
 
 TRAIN = ["--train", "configs/train/tiny.yaml"]
@@ -96,9 +98,15 @@ def test_ctrl_c_saves_like_a_preemption(tmp_path: Path) -> None:
 
 
 class DiesOnRankOne:
-    """Rank 1 dies a moment after the start; rank 0 would wait for it forever in a collective."""
+    """Rank 1 dies a moment after the start, leaving no error of its own. Rank 0 either waits for it forever
+    in a collective, or has already recorded an error of its own and is still shutting down when rank 1's
+    exit is seen (as when a collective fails because its peer is gone: the consequence, not the cause)."""
+
+    def __init__(self, rank0_raises: bool) -> None:
+        self.rank0_raises = rank0_raises
 
     def __call__(self, ctx) -> None:
+        import atexit
         import time
 
         import torch.distributed as dist
@@ -108,13 +116,17 @@ class DiesOnRankOne:
         init_distributed(ctx.env, "gloo", timeout_s=3600)
         ctx.started(0)
         if ctx.env.rank == 1:
-            time.sleep(1)
+            time.sleep(2)
             os._exit(7)
+        if self.rank0_raises:
+            atexit.register(time.sleep, 30)  # still shutting down when rank 1 exits
+            raise RuntimeError("Connection closed by peer: typically caused by a remote worker crashing")
         dist.barrier()  # never returns: rank 1 is gone
 
 
-def test_a_rank_that_dies_takes_the_job_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rank0_raises", [False, True], ids=["rank0-hangs", "rank0-fails-after"])
+def test_a_rank_that_dies_takes_the_job_down(tmp_path: Path, rank0_raises: bool) -> None:
     cluster = load_cluster(REPO / "configs/cluster/local.yaml", job_dir=str(tmp_path), requeue_on_failure=False)
-    handle = submit(DiesOnRankOne(), cluster, "dies")
+    handle = submit(DiesOnRankOne(rank0_raises), cluster, "dies")
     assert handle.wait(timeout_s=120, progress=False) == "FAILED"
-    assert handle.error == "rank 1 exited with code 7"
+    assert handle.error == "rank 1 exited with code 7"  # the cause, not rank 0's consequence

@@ -54,7 +54,7 @@ def test_effective_batch_is_held(real, nodes: int, gpus: int, per_gpu: int, accu
     check_split(plan)
     assert plan.lr == pytest.approx(1e-4) and plan.warmup_steps == 2000  # same optimisation at any count
     assert plan.nccl_timeout_s == timeout
-    assert plan.engine == "ddp"  # 11 M parameters: DDP is fastest and fits (measured, docs/benchmarks.md)
+    assert plan.engine == "allreduce"  # 11 M parameters: plain data parallelism is fastest and fits (measured, docs/benchmarks.md)
     assert plan.nccl_env["NCCL_BUFFSIZE"] == str((32 if nodes >= 8 else 16) * 2**20)
     assert str(plan.world_size) in plan.table()
 
@@ -93,7 +93,7 @@ def test_deepspeed_ranks_with_fewer_samples_pad_to_the_same_count(real) -> None:
     assert plan.microbatch_sizes(0) == [4, 1] and plan.microbatch_sizes(25) == [4, 0]  # 0: weight-0 padding
     check_split(plan)
     ddp = plan_for(26, 1, real)
-    assert ddp.microbatch_sizes(25) == [4]  # no collectives inside a DDP micro-step: no padding
+    assert ddp.microbatch_sizes(25) == [4]  # no collectives inside an allreduce micro-step: no padding
 
 
 def test_1000_gpus(real) -> None:
@@ -116,11 +116,11 @@ def test_explicit_accumulation(real) -> None:
 
 
 def test_engine_follows_memory(real) -> None:
-    # A model with ~1.3 B parameters: states of 21 GB per GPU under DDP do not fit next to activations.
+    # A model with ~1.3 B parameters: states of 21 GB per GPU under the all-reduce engine do not fit next to activations.
     big = load_train(real.to_dict(), **{"model.decoder_widths": [4096, 4096, 4096, 64], "batch.per_gpu": 1})
     assert taehv_param_count(big) > 1e9
     plan = plan_for(1, 8, big, gpu_memory_gb=30)
-    assert plan.engine in ("zero2", "zero3") and "ddp does not fit" in plan.engine_reason
+    assert plan.engine in ("zero2", "zero3") and "allreduce does not fit" in plan.engine_reason
     with pytest.raises(ConfigError, match="no engine fits"):
         plan_for(1, 8, real, gpu_memory_gb=10)  # 4 clips of 720×480×12 need ~25 GB of activations
 

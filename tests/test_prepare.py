@@ -22,15 +22,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jobs.submit import submit_training
 from taehv_slurm.requeue import EventLog
 from tests.helpers import REPO, make_cluster, metrics, tiny_train, wait_done, wait_for
 from tests.videos import nearest_frame, write_garbage, write_video
 from trainer.data import ClipSpec, VideoFolderClips
-from trainer.losses import load_teacher, teacher_frame_count
 from trainer.prepare import (
     INDEX_FILE,
-    PLAN_FILE,
+    MANIFEST_FILE,
     PrepareSettings,
     PrepareTask,
     index_windows,
@@ -41,6 +39,9 @@ from trainer.prepare import (
     write_shard,
 )
 from trainer.prepared import PreparedClips
+from trainer.shapes import teacher_frame_count
+from trainer.submit import submit_training
+from trainer.teacher import load_teacher
 
 SPEC = ClipSpec(frames=8, height=64, width=64)
 LENGTHS = (24, 30, 36, 40, 28, 20)  # frames per video: 3, 3, 4, 5, 3, 2 non-overlapping 8-frame windows
@@ -146,7 +147,7 @@ def test_prepared_clips_refuse_bad_folders_in_one_line(prepared: Path, tmp_path:
         (prepared, ClipSpec(12, 64, 64), "holds 8×64×64 clips (frames×height×width) but the config asks for 12×64×64"),
     ]
     unverified = _mkdir(tmp_path / "unverified")
-    shutil.copy(prepared / PLAN_FILE, unverified / PLAN_FILE)
+    shutil.copy(prepared / MANIFEST_FILE, unverified / MANIFEST_FILE)
     cases.append((unverified, SPEC, "python -m jobs.prepare --verify --out"))
     for root, spec, needle in cases:
         with pytest.raises(ValueError) as err:

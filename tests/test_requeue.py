@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from submitit.helpers import DelayedSubmission
 
-from jobs.submit import submit_training
-from taehv_slurm.handle import JobHandle, submit
+from taehv_slurm.handle import JobHandle
 from taehv_slurm.requeue import LOCAL_REQUEUE_EXIT_CODE, EventLog, RequeueableTask
 from taehv_slurm.security import make_private_dir, private_umask
+from taehv_slurm.submission import submit
 from tests.helpers import (
     LOCAL_TASK_ENV,
     assert_identical,
@@ -33,6 +33,7 @@ from tests.helpers import (
     wait_for,
 )
 from tests.tasks import CountingTask, CrashAfterStart, StopAtFirstBoundary
+from trainer.submit import submit_training
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 

@@ -39,8 +39,9 @@ from pathlib import Path
 import pytest
 
 from taehv_slurm.executor import make_executor
-from taehv_slurm.handle import JobHandle, RunBusyError, submit
+from taehv_slurm.handle import JobHandle
 from taehv_slurm.requeue import EventLog, NotRequeueableError, RequeueableTask
+from taehv_slurm.submission import RunBusyError, submit
 from tests.helpers import REPO, make_cluster, tiny_train, wait_done, wait_for
 from tests.tasks import CountingTask, NeverPolls, train_ignoring_the_context
 
@@ -241,7 +242,7 @@ def test_one_live_job_per_run(cases: Cases) -> None:
 
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(cases: Cases) -> None:
-    from jobs.submit import submit_training
+    from trainer.submit import submit_training
 
     cluster = make_cluster(cases.job_dir, nodes=1, gpus_per_node=1, time_min=10)
     steady = {"intervals.log_every": 1, "intervals.ckpt_every": 2, "intervals.keep_checkpoints": 3}

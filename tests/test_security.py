@@ -38,9 +38,10 @@ from taehv_slurm.checkpoint import Checkpointer, CheckpointError
 from taehv_slurm.config import load_cluster
 from taehv_slurm.distenv import PORT_BASE, PORT_SPAN, DistEnv, port_for_job
 from taehv_slurm.executor import make_executor
-from taehv_slurm.handle import JobHandle, submit
+from taehv_slurm.handle import JobHandle
 from taehv_slurm.requeue import RequeueableTask
 from taehv_slurm.security import UnsafePathError, describe_secret_env
+from taehv_slurm.submission import submit
 from tests.helpers import LOCAL_TASK_ENV, REPO, make_cluster, tiny_train, wait_done
 
 TEST_USER = "taehvtest"
@@ -502,7 +503,7 @@ def test_pickled_tasks_and_runtime_carry_no_secret(tmp_path: Path) -> None:
 
     value = f"tok-{secrets.token_hex(16)}"
     cluster = make_cluster(tmp_path, env={"HF_TOKEN": value, "OPAQUE": value + "x", "PLAIN": "p"}, secret_env=["OPAQUE"])
-    assert value not in json.dumps(cluster.runtime()) and value not in json.dumps(cluster.masked())
+    assert value not in repr(cluster.runtime()) and value not in json.dumps(cluster.masked())
     for task in (RequeueableTask(TrainTask(tiny_train().to_dict(), cluster.runtime()), tmp_path / "run"),
                  SmokeTask(cluster.dist_backend, cluster.rendezvous_timeout_s), cluster.without_secrets()):
         assert value.encode() not in cloudpickle.dumps(task), type(task).__name__

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs.submit import submit_training
 from taehv_slurm.executor import SubmissionError, make_executor
-from taehv_slurm.handle import submit
 from taehv_slurm.smoke import SmokeTask
+from taehv_slurm.submission import submit
 from tests.helpers import REPO, final_state, make_cluster, metrics, tiny_train, wait_done
+from trainer.submit import submit_training
 from trainer.train import TrainTask
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -35,15 +35,18 @@ def test_two_nodes_times_eight_tasks_through_make_executor(tmp_path: Path) -> No
     assert {f["slurm_gpus_on_node"] for f in facts} == {"8"}  # --gres=gpu:8 reached every task
 
 
-def test_sbatch_rejection_is_one_line(tmp_path: Path) -> None:
-    for overrides, needle in (({"partition": "nosuchpartition"}, "invalid partition"),
-                              ({"gpus_per_node": 16}, "requested node configuration is not available")):
-        cluster = make_cluster(tmp_path, **overrides)
-        with pytest.raises(SubmissionError) as err:
-            submit(SmokeTask(), cluster, "rejected", requeueable=False)
-        message = str(err.value)
-        assert "\n" not in message and message.startswith("sbatch rejected the job:")
-        assert needle in message.lower()
+def test_sbatch_rejection_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    (tmp_path / "kept").mkdir()  # a job_dir that exists keeps what it holds
+    for job_dir in (tmp_path / "new", tmp_path / "kept"):
+        for overrides, needle in (({"partition": "nosuchpartition"}, "invalid partition"),
+                                  ({"gpus_per_node": 16}, "requested node configuration is not available")):
+            cluster = make_cluster(job_dir, **overrides)
+            with pytest.raises(SubmissionError) as err:
+                submit(SmokeTask(), cluster, "rejected", requeueable=False)
+            message = str(err.value)
+            assert "\n" not in message and message.startswith("sbatch rejected the job:")
+            assert needle in message.lower()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and list((tmp_path / "kept").iterdir()) == []
 
 
 def test_train_task_pickles() -> None:
@@ -101,7 +104,7 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "jobs.submit", "--cluster", str(bad), "--dry-run"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2
-    assert out.stderr.strip() == f"error: {bad}: unknown key 'nodse'; did you mean 'nodes'?"
+    assert out.stderr.strip() == f"error: {bad}: unknown key 'nodse' (did you mean 'nodes'?)"
     out = subprocess.run([sys.executable, "-m", "jobs.submit", "--nodes", "17", "--dry-run"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "use at most 16 node(s) × 8" in out.stderr

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from taehv_slurm.config import VIDEO_EXTENSIONS
+
 log = logging.getLogger(__name__)
 
 
@@ -185,7 +187,7 @@ class VideoFolderClips(Dataset):
     """
 
     def __init__(self, root: str | Path, spec: ClipSpec, stride: int | None = None,
-                 extensions: Sequence[str] = (".mp4", ".webm", ".mkv", ".mov"), seed: int = 0) -> None:
+                 extensions: Sequence[str] = VIDEO_EXTENSIONS, seed: int = 0) -> None:
         self.root, self.spec, self.seed = Path(root), spec, seed
         self.stride = spec.frames if stride is None else stride
         if self.stride < 1:

@@ -1,4 +1,4 @@
-"""Data parallelism behind one small interface: DDP (one flat all-reduce), or DeepSpeed ZeRO stage 1, 2 or 3.
+"""Data parallelism behind one small interface: one flat all-reduce per step, or DeepSpeed ZeRO stage 1, 2 or 3.
 
     engine.train_step(microbatches, lr) → StepMetrics of one optimizer step (gradient accumulation inside)
     engine.evaluate(frames, teacher_latents) → metrics without gradients
@@ -17,7 +17,7 @@ own before the next micro-batch runs.
 
 The state is full tensors by parameter name: fp32 weights, AdamW's two moments and its step count.
 Every engine writes and reads the same layout, so a run saved under ZeRO-3 on 16 GPUs resumes with
-DDP on 8 (no ZeRO-2 → 3 conversion). The student has ~11 M parameters, so the full
+allreduce on 8 (no ZeRO-2 → 3 conversion). The student has ~11 M parameters, so the full
 state is ~135 MB and gathering it for a save takes well under a second.
 """
 
@@ -115,7 +115,7 @@ class Engine:
         raise NotImplementedError
 
 
-class DDPEngine(Engine):
+class FlatAllReduceEngine(Engine):
     """Replicated weights, AdamW, and ONE all-reduce of a flat gradient buffer per optimizer step.
 
     Plain data parallelism, but not torch's DistributedDataParallel: DDP overlaps communication with
@@ -123,10 +123,10 @@ class DDPEngine(Engine):
     resume reduces in another order than the uninterrupted run and the weights differ in the last bits.
     Here every parameter's gradient is a fixed view into one buffer (same layout on every start), so a
     resumed run is bit-identical. For an 11 M-parameter model the un-overlapped all-reduce (45 MB) costs
-    well under 1 % of a step (docs/benchmarks.md).
+    well under 1 % of a step (docs/benchmarks.md). Configs name it `allreduce` (`ddp`, its old name, too).
     """
 
-    kind = "ddp"
+    kind = "allreduce"
 
     def __init__(self, module: DistillModule, device: torch.device, precision: str, grad_clip: float,
                  lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
@@ -203,7 +203,12 @@ class DDPEngine(Engine):
 
 
 class DeepSpeedEngine(Engine):
-    """DeepSpeed ZeRO stage 1/2/3 with torch's AdamW (works on CPU with gloo and on GPU with NCCL)."""
+    """DeepSpeed ZeRO stage 1/2/3 with torch's AdamW (works on CPU with gloo and on GPU with NCCL).
+
+    Only DeepSpeed's public API: `deepspeed.initialize` and the engine's forward/backward/step,
+    `deepspeed.utils.safe_{get,set}_{full,local}_*` for the fp32 weights and AdamW moments, and
+    `deepspeed.zero.GatheredParameters` (tested with the DeepSpeed range setup.cfg names).
+    """
 
     def __init__(self, module: DistillModule, device: torch.device, precision: str, grad_clip: float,
                  lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
@@ -228,15 +233,14 @@ class DeepSpeedEngine(Engine):
         }
         # DeepSpeed views each parameter as bytes to broadcast it, which channels_last weights refuse.
         module.to(memory_format=torch.contiguous_format)
-        optimizer = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
-        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
+        # Our own AdamW object: DeepSpeed wraps it and keeps stepping it, so its state (the step count)
+        # is readable here without reaching into DeepSpeed's optimizer.
+        self.adamw = torch.optim.AdamW(module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=self.adamw, config=config,
                                                              dist_init_required=False)
         module.compute_dtype = torch.bfloat16 if bf16 else None
         if compile and device.type == "cuda" and hasattr(self.ds, "compile"):
             self.ds.compile()  # default mode: ZeRO's hooks run collectives that CUDA graphs cannot capture
-
-    def _base_optimizer(self) -> torch.optim.Optimizer:
-        return getattr(self.optimizer, "optimizer", self.optimizer)
 
     def train_step(self, microbatches: Iterable[Microbatch], lr: float) -> StepMetrics:
         self.ds.train()
@@ -246,11 +250,11 @@ class DeepSpeedEngine(Engine):
         count = 0
         for frames, latents, weight in microbatches:
             loss, metrics = self.ds(frames, latents)
+            sums.add(metrics, frames.shape[0], weight)
             # DeepSpeed divides each micro-step's loss by the accumulation steps and averages the ranks'
             # gradients; undo both so the step's gradient is Σ weight·∇loss over every rank.
             self.ds.backward(loss * (weight * self.world * self.grad_accum))
             self.ds.step()  # updates only at the accumulation boundary
-            sums.add(metrics, frames.shape[0], weight)
             count += 1
         if count != self.grad_accum:  # ZeRO-2/3 run collectives in every micro-step: all ranks must agree
             raise ValueError(f"DeepSpeed engine configured for {self.grad_accum} micro-batches per step, got {count}")
@@ -273,79 +277,75 @@ class DeepSpeedEngine(Engine):
                 value = safe_get_full_optimizer_state(p, key)
                 if value is not None:
                     out[name] = value.detach().float().cpu().clone()
-        steps = [int(s["step"]) for s in self._base_optimizer().state.values() if "step" in s]
-        return {"params": params, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "optimizer_step": max(steps, default=0)}
+        return {"params": params, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "optimizer_step": self._adamw_step()}
 
     def load_full_state(self, state: dict[str, Any]) -> None:
         import deepspeed
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+        from deepspeed.utils import (
+            safe_set_full_fp32_param,
+            safe_set_full_optimizer_state,
+            safe_set_local_fp32_param,
+            safe_set_local_optimizer_state,
+        )
 
         _check_names(self.named_parameters(), state["params"])
         have_moments = bool(state["exp_avg"])
-        if have_moments:
-            # AdamW creates its moments at the first step; DeepSpeed maps each parameter to its slice of
-            # them only then too. Do both now so the saved moments have somewhere to go.
-            if not any(self._base_optimizer().state.values()):
-                self._create_optimizer_state()
-            link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-            if link is not None:
-                link()
-        set_param = self._set_zero3 if self.stage == 3 else (lambda p, v, key: safe_set_full_fp32_param(p, v))
-        set_state = self._set_zero3 if self.stage == 3 else safe_set_full_optimizer_state
+        if have_moments and not any(self.adamw.state.values()):
+            self._create_optimizer_state()
         for name, p in self.named_parameters():
-            set_param(p, state["params"][name].to(self.device), None)
+            value = state["params"][name].to(self.device)
+            if self.stage == 3:  # this rank's slice (DeepSpeed's full setter cannot pad a small tensor's partition)
+                safe_set_local_fp32_param(p, self._local_slice(value, p))
+            else:
+                safe_set_full_fp32_param(p, value)
             if have_moments and name in state["exp_avg"]:
-                set_state(p, state["exp_avg"][name].to(self.device), "exp_avg")
-                set_state(p, state["exp_avg_sq"][name].to(self.device), "exp_avg_sq")
-        for s in self._base_optimizer().state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    moment = state[key][name].to(self.device)
+                    if self.stage == 3:
+                        safe_set_local_optimizer_state(p, self._local_slice(moment, p), key)
+                    else:
+                        safe_set_full_optimizer_state(p, moment, key)
+        for s in self.adamw.state.values():
             if "step" in s:
                 s["step"] = torch.full_like(s["step"], float(state["optimizer_step"])) if torch.is_tensor(s["step"]) else state["optimizer_step"]
         # The setters above write the fp32 master copy; the model's own weights follow it only at the
         # next optimizer step, so copy them now or the first forward after a resume uses stale ones.
         params = dict(self.named_parameters())
-        if self.stage == 3:
-            with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0), torch.no_grad():
-                for name, p in params.items():
-                    p.data.copy_(state["params"][name].to(p.device, p.dtype))
-        else:
-            self.optimizer.update_lp_params()
+        gathered = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0) if self.stage == 3 \
+            else contextlib.nullcontext()
+        with gathered, torch.no_grad():
+            for name, p in params.items():
+                p.data.copy_(state["params"][name].to(p.device, p.dtype))
 
-    def _set_zero3(self, param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
-        """This rank's slice of a full tensor into ZeRO-3's fp32 partition (key None) or its AdamW state.
+    def _adamw_step(self) -> int:
+        return max((int(s["step"]) for s in self.adamw.state.values() if "step" in s), default=0)
 
-        DeepSpeed's own setter (0.19) slices the full tensor without the partition padding, so a small
-        tensor split over more ranks than it has elements (a bias of 3 over 4 ranks) fails; this pads.
-        """
-        part, _ = self.optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
-        start = part.numel() * self.optimizer._get_param_partition_rank(param)
+    def _local_slice(self, value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+        """This rank's part of a full tensor as ZeRO-3 partitions it: equal slices of the flat tensor,
+        the last ones zero-padded (a bias of 3 over 4 ranks)."""
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        size = safe_get_local_fp32_param(param).numel()
         flat = value.flatten()
-        count = max(0, min(part.numel(), flat.numel() - start))
-        with torch.no_grad():
-            part.zero_()
-            if count:
-                part[:count].copy_(flat[start:start + count])
+        start = size * (dist.get_rank() if dist.is_initialized() else 0)
+        part = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        count = max(0, min(size, flat.numel() - start))
+        part[:count] = flat[start:start + count]
+        return part
 
     def _create_optimizer_state(self) -> None:
-        """torch's AdamW creates its state at the first step: one step at lr 0 with zero gradients
-        creates it without changing a weight (weight decay is scaled by lr too)."""
-        base = self._base_optimizer()
-        saved = [g["lr"] for g in base.param_groups]
-        for g in base.param_groups:
+        """AdamW creates its moments at its first step, and DeepSpeed maps each parameter to its slice of
+        them only then: one optimizer step through the engine with lr 0 and a zero loss creates both
+        without changing a weight (weight decay is scaled by lr too)."""
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
             g["lr"] = 0.0
-        if self.stage == 3:  # ZeRO-3 hands AdamW one flat fp32 partition per sub-group at a time
-            for i, flat in enumerate(self.optimizer.fp32_partitioned_groups_flat):
-                flat.grad = torch.zeros_like(flat)
-                self.optimizer._optimizer_step(i)
-                flat.grad = None
-        else:
-            for g in base.param_groups:
-                for p in g["params"]:
-                    p.grad = torch.zeros_like(p)
-            base.step()
-            for g in base.param_groups:
-                for p in g["params"]:
-                    p.grad = None
-        for g, lr in zip(base.param_groups, saved):
+        frames = torch.zeros(1, 4, 3, 8, 8, dtype=torch.uint8, device=self.device)  # the smallest clip TAEHV takes
+        for _ in range(self.grad_accum):  # one whole accumulation cycle: the next real step starts a new one
+            loss, _ = self.ds(frames, None)
+            self.ds.backward(loss * 0.0)
+            self.ds.step()
+        for g, lr in zip(self.optimizer.param_groups, saved):
             g["lr"] = lr
 
 
@@ -360,14 +360,14 @@ def _check_names(named: list[tuple[str, nn.Parameter]], stored: dict[str, torch.
 def make_engine(kind: str, module: DistillModule, device: torch.device, *, precision: str, grad_clip: float,
                 lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
                 per_gpu_batch: int, grad_accum: int, compile_mode: str = "default") -> Engine:
-    """The engine `kind` (ddp, zero1, zero2, zero3) around `module`.
+    """The engine `kind` (allreduce, zero1, zero2, zero3) around `module`.
 
     per_gpu_batch / grad_accum: the largest micro-batch and the micro-batches per step (every rank runs
     that many; DeepSpeed needs both)."""
     common = dict(lr=lr, betas=betas, weight_decay=weight_decay, compile=compile)
-    if kind == "ddp":
-        return DDPEngine(module, device, precision, grad_clip, compile_mode=compile_mode, **common)
+    if kind == "allreduce":
+        return FlatAllReduceEngine(module, device, precision, grad_clip, compile_mode=compile_mode, **common)
     if kind in ("zero1", "zero2", "zero3"):
         return DeepSpeedEngine(module, device, precision, grad_clip, stage=int(kind[-1]),
                                per_gpu_batch=per_gpu_batch, grad_accum=grad_accum, **common)
-    raise ValueError(f"unknown engine {kind!r}: use ddp, zero1, zero2 or zero3")
+    raise ValueError(f"unknown engine {kind!r}: use allreduce, zero1, zero2 or zero3")

@@ -1,6 +1,6 @@
 """TAEHV: a tiny causal video autoencoder (our own implementation, trainable).
 
-Architecture facts follow the published model (madebyollin/taehv, see docs/taehv.md). The module tree
+Architecture facts follow the published model (madebyollin/taehv: its taehv.py and published weight files). The module tree
 is laid out so that ``state_dict()`` keys and shapes equal the published weight files'
 (``encoder.<i>.…`` / ``decoder.<i>.…`` indexed by position in two ``nn.Sequential`` stacks), so those
 files load with :func:`load_published_weights`.

@@ -1,8 +1,8 @@
 """Prepare training data once: decode every video window, encode it with the teacher, store both in shards.
 
-The teacher's encode costs ~5× the student's whole training step (docs/gpu.md), so it runs once per
-window, ahead of training, on every GPU of a job; the trainer then reads frames and latents together
-(`trainer.prepared.PreparedClips`, `data.source: prepared`).
+The teacher's encode costs ~7× the student's training step per clip (8.3 vs 55 clips/s per GPU,
+docs/benchmarks.md "Data"), so it runs once per window, ahead of training, on every GPU of a job; the
+trainer then reads frames and latents together (`trainer.prepared.PreparedClips`, `data.source: prepared`).
 
 Layout of a prepared folder:
 
@@ -37,7 +37,6 @@ import logging
 import math
 import os
 import socket
-import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -47,24 +46,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from taehv_slurm.checkpoint import fsync_dir, write_text_atomic
-from taehv_slurm.config import ConfigError
+from taehv_slurm.config import TEACHER_KINDS, VIDEO_EXTENSIONS, ConfigError, RuntimeSettings
+from taehv_slurm.messages import one_line, rank_logger
+
+from .shapes import SPATIAL_FACTOR, TIME_FACTOR
 
 if TYPE_CHECKING:
     import torch
 
+    from taehv_slurm.config import ClusterConfig
+    from taehv_slurm.handle import JobHandle
     from taehv_slurm.requeue import RunContext
 
     from .data import VideoFolderClips
 
 FORMAT = "taehv-prepared/1"
-PLAN_FILE, VIDEOS_FILE, WINDOWS_FILE, INDEX_FILE = "prepare.json", "videos.csv", "windows.csv", "index.csv"
+MANIFEST_FILE, VIDEOS_FILE, WINDOWS_FILE, INDEX_FILE = "prepare.json", "videos.csv", "windows.csv", "index.csv"
 SHARD_DIR = "shards"
 INDEX_COLUMNS = ("window", "video", "window_start", "shard", "offset")
-# VideoFolderClips' default extensions: counted here without importing torch (validation, --dry-run).
-VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
-TEACHER_KINDS = ("hunyuanvideo", "cogvideox", "wan")
-TIME_FACTOR = 4  # trainer.losses.TIME_FACTOR (TAEHV and the 1 + 4k teachers): T frames → T/4 latents
-SPATIAL_FACTOR = 8
 # Settings that define what a folder holds: a resubmission must match them to resume it.
 IDENTITY_KEYS = ("data", "frames", "height", "width", "stride", "shard_size", "teacher_kind", "teacher_path",
                  "scaling_factor", "seed")
@@ -145,11 +144,11 @@ def count_videos(root: Path, limit: int | None = None) -> Iterator[Path]:
                 return
 
 
-# ---------------------------------------------------------------------------------------------- plan
+# ------------------------------------------------------------------------------------------ manifest
 
 
 @dataclass
-class Plan:
+class Manifest:
     """What a prepared folder holds or will hold: prepare.json + videos.csv + windows.csv."""
 
     settings: dict[str, Any]
@@ -192,12 +191,12 @@ class Plan:
                 "shards": self.num_shards, "skipped": self.skipped, "created": self.created,
                 "index_seconds": round(self.index_seconds, 3),
                 "teacher_frames": self.spec[0] - (TIME_FACTOR - 1), "latent_frames": self.spec[0] // TIME_FACTOR}
-        write_text_atomic(out / PLAN_FILE, json.dumps(info, indent=1) + "\n")
+        write_text_atomic(out / MANIFEST_FILE, json.dumps(info, indent=1) + "\n")
 
     @classmethod
-    def read(cls, out: str | os.PathLike) -> Plan:
+    def read(cls, out: str | os.PathLike) -> Manifest:
         out = Path(out)
-        info = read_plan_info(out)
+        info = read_manifest_info(out)
         with open(out / VIDEOS_FILE, newline="") as f:
             videos = {row["video"]: {"num_frames": int(row["num_frames"]), "rate": row["rate"], "time_base": row["time_base"],
                                      "start_pts": int(row["start_pts"]), "counted_by": row["counted_by"]}
@@ -205,21 +204,21 @@ class Plan:
         with open(out / WINDOWS_FILE, newline="") as f:
             windows = [(row["video"], int(row["window_start"])) for row in csv.DictReader(f)]
         if len(windows) != info["windows"]:
-            raise PrepareError(f"{out / WINDOWS_FILE} lists {len(windows)} windows but {PLAN_FILE} says {info['windows']}; "
+            raise PrepareError(f"{out / WINDOWS_FILE} lists {len(windows)} windows but {MANIFEST_FILE} says {info['windows']}; "
                                "the folder was changed by hand: prepare into a new --out")
         return cls({k: info[k] for k in IDENTITY_KEYS}, videos, windows, dict(info.get("skipped", {})),
                    float(info.get("created", 0.0)), float(info.get("index_seconds", 0.0)))
 
 
-def read_plan_info(out: str | os.PathLike) -> dict[str, Any]:
+def read_manifest_info(out: str | os.PathLike) -> dict[str, Any]:
     """prepare.json of a prepared folder, or a one-line PrepareError saying what the folder is not."""
     out = Path(out)
     if not out.is_dir():
         raise PrepareError(f"prepared data folder {out} does not exist; prepare it with "
                            f"`python -m jobs.prepare --data VIDEOS --out {out} --teacher-path VAE`")
-    path = out / PLAN_FILE
+    path = out / MANIFEST_FILE
     if not path.is_file():
-        raise PrepareError(f"{out} is not a prepared data folder (no {PLAN_FILE}); prepare it with "
+        raise PrepareError(f"{out} is not a prepared data folder (no {MANIFEST_FILE}); prepare it with "
                            f"`python -m jobs.prepare --data VIDEOS --out {out} --teacher-path VAE`")
     try:
         info = json.loads(path.read_text())
@@ -230,8 +229,8 @@ def read_plan_info(out: str | os.PathLike) -> dict[str, Any]:
     return info
 
 
-def index_windows(settings: PrepareSettings) -> Plan:
-    """Index the videos with the training windowing (VideoFolderClips) into a Plan. Imports torch."""
+def index_windows(settings: PrepareSettings) -> Manifest:
+    """Index the videos with the training windowing (VideoFolderClips) into a Manifest. Imports torch."""
     from .data import ClipSpec, VideoFolderClips
 
     start = time.perf_counter()
@@ -244,22 +243,22 @@ def index_windows(settings: PrepareSettings) -> Plan:
                                      "start_pts": info.start_pts, "counted_by": info.counted_by}
               for key, info in clips.videos.items()}
     windows = [(_relative(key, root), start_frame) for key, start_frame in clips.windows]
-    return Plan(settings.identity(), videos, windows, dict(clips.skipped), time.time(), time.perf_counter() - start)
+    return Manifest(settings.identity(), videos, windows, dict(clips.skipped), time.time(), time.perf_counter() - start)
 
 
 def _relative(key: str, root: Path) -> str:
     return Path(key).relative_to(root).as_posix()
 
 
-def open_clips(plan: Plan) -> VideoFolderClips:
-    """The plan's windows as a VideoFolderClips, rebuilt from the saved index (no re-probing of files)."""
+def open_clips(manifest: Manifest) -> VideoFolderClips:
+    """The manifest's windows as a VideoFolderClips, rebuilt from the saved index (no re-probing of files)."""
     from .data import ClipSpec, VideoFolderClips, VideoInfo
 
-    root = Path(plan.settings["data"])
+    root = Path(manifest.settings["data"])
     videos = {str(root / rel): VideoInfo(v["num_frames"], Fraction(v["rate"]), Fraction(v["time_base"]), v["start_pts"],
-                                         v["counted_by"]) for rel, v in plan.videos.items()}
-    windows = [(str(root / rel), start) for rel, start in plan.windows]
-    return VideoFolderClips.from_index(root, ClipSpec(*plan.spec), videos, windows, stride=int(plan.settings["stride"]))
+                                         v["counted_by"]) for rel, v in manifest.videos.items()}
+    windows = [(str(root / rel), start) for rel, start in manifest.windows]
+    return VideoFolderClips.from_index(root, ClipSpec(*manifest.spec), videos, windows, stride=int(manifest.settings["stride"]))
 
 
 # -------------------------------------------------------------------------------------------- shards
@@ -316,7 +315,7 @@ def write_shard(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappi
 def shard_metadata(shard: int, stored: Sequence[int], rows: Sequence[tuple[str, int]], failed: Sequence[Sequence[Any]],
                    spec: Sequence[int], seconds: float, **extra: Any) -> dict[str, str]:
     """The metadata strings of a shard file (what `verify` reads from its header). `rows` are the
-    (video, window_start) of the stored windows: each shard is its own index, checkable against the plan."""
+    (video, window_start) of the stored windows: each shard is its own index, checkable against the manifest."""
     frames, height, width = spec
     return {"format": FORMAT, "shard": str(shard), "windows": json.dumps([int(w) for w in stored]),
             "rows": json.dumps([[str(v), int(s)] for v, s in rows]),
@@ -418,17 +417,17 @@ def verify(out: str | os.PathLike, write_index: bool = True) -> VerifyReport:
     Reads only prepare.json, the window list and each shard's header: no torch, no tensor data.
     """
     out = Path(out)
-    plan = Plan.read(out)
-    s = plan.settings
-    report = VerifyReport(str(out), plan.spec, f"{s['teacher_kind']} {s['teacher_path']}", len(plan.videos), plan.skipped,
-                          len(plan.windows), shards_expected=plan.num_shards, index_seconds=plan.index_seconds)
+    manifest = Manifest.read(out)
+    s = manifest.settings
+    report = VerifyReport(str(out), manifest.spec, f"{s['teacher_kind']} {s['teacher_path']}", len(manifest.videos), manifest.skipped,
+                          len(manifest.windows), shards_expected=manifest.num_shards, index_seconds=manifest.index_seconds)
     seen: dict[int, int] = {}
     failed: set[int] = set()
     rows: list[tuple[int, str, int, int, int]] = []
     starts, ends = [], []
     done = finished_shards(out)
-    report.bad_shards += [f"shard {n}: not in the plan ({plan.num_shards} shards)" for n in sorted(done) if n >= plan.num_shards]
-    for shard in range(plan.num_shards):
+    report.bad_shards += [f"shard {n}: not in the manifest ({manifest.num_shards} shards)" for n in sorted(done) if n >= manifest.num_shards]
+    for shard in range(manifest.num_shards):
         if shard not in done:
             report.missing_shards.append(shard)
             continue
@@ -436,7 +435,7 @@ def verify(out: str | os.PathLike, write_index: bool = True) -> VerifyReport:
             meta, tensors = read_shard_header(shard_path(out, shard))
             ids = [int(i) for i in json.loads(meta["windows"])]
             errors = [(int(i), str(reason)) for i, reason in json.loads(meta.get("failed", "[]"))]
-            problem = _shard_problem(meta, tensors, ids, errors, plan, shard)
+            problem = _shard_problem(meta, tensors, ids, errors, manifest, shard)
         except (OSError, ValueError, KeyError, TypeError) as err:
             problem = f"unreadable ({type(err).__name__}: {err})"
         if problem:
@@ -445,7 +444,7 @@ def verify(out: str | os.PathLike, write_index: bool = True) -> VerifyReport:
         report.shards_done += 1
         for offset, window in enumerate(ids):
             seen[window] = seen.get(window, 0) + 1
-            video, start = plan.windows[window]
+            video, start = manifest.windows[window]
             rows.append((window, video, start, shard, offset))
         for window, reason in errors:
             failed.add(window)
@@ -459,7 +458,7 @@ def verify(out: str | os.PathLike, write_index: bool = True) -> VerifyReport:
     report.windows_stored = len(rows)
     report.duplicate_windows = sorted(w for w, n in seen.items() if n > 1)
     present = set(seen) | failed
-    report.missing_windows = [w for w in range(len(plan.windows)) if w not in present]  # incl. those of missing shards
+    report.missing_windows = [w for w in range(len(manifest.windows)) if w not in present]  # incl. those of missing shards
     report.wall_seconds = (max(ends) - min(starts)) if ends else 0.0
     index = out / INDEX_FILE
     if write_index and report.ok:
@@ -472,16 +471,16 @@ def verify(out: str | os.PathLike, write_index: bool = True) -> VerifyReport:
 
 
 def _shard_problem(meta: Mapping[str, str], tensors: Mapping[str, Any], ids: Sequence[int], errors: Sequence[tuple[int, str]],
-                   plan: Plan, shard: int) -> str | None:
-    frames, height, width = plan.spec
+                   manifest: Manifest, shard: int) -> str | None:
+    frames, height, width = manifest.spec
     if meta.get("format") != FORMAT:
         return f"format {meta.get('format')!r}, expected {FORMAT!r}"
-    planned = plan.shard_windows(shard)
+    planned = manifest.shard_windows(shard)
     strays = [w for w in [*ids, *(w for w, _ in errors)] if w not in planned]
     if strays:
         return f"holds window(s) {_ids(strays)} that belong to other shards"
     rows = [tuple(r) for r in json.loads(meta.get("rows", "[]"))]
-    if rows != [plan.windows[w] for w in ids]:
+    if rows != [manifest.windows[w] for w in ids]:
         return "its (video, window_start) rows differ from this folder's window list: it comes from another preparation"
     f, z = tensors.get("frames"), tensors.get("latents")
     if f is None or z is None:
@@ -513,11 +512,11 @@ class PrepareTask:
     than this many seconds, else abandoned (its temporary file removed; the next run redoes it).
     """
 
-    def __init__(self, out: str | os.PathLike, runtime: Mapping[str, Any] | None = None, batch: int = 4,
+    def __init__(self, out: str | os.PathLike, runtime: RuntimeSettings | Mapping[str, Any] | None = None, batch: int = 4,
                  workers: int | None = None, compile: bool = False,
                  finish_budget_s: Mapping[str, float] | None = None) -> None:
         self.out = str(out)
-        self.runtime = dict(runtime or {})
+        self.runtime = RuntimeSettings.of(runtime)
         self.batch = int(batch)
         self.workers = workers
         self.compile = bool(compile)
@@ -530,14 +529,14 @@ class PrepareTask:
         from taehv_slurm.requeue import RunContext
 
         ctx = ctx or RunContext.standalone(Path(self.out) / "run")
-        _setup_logging(ctx.env.rank)
-        choice = self.runtime.get("device", "auto")
+        rank_logger(log.name, ctx.env.rank, every_rank_informs=True)
+        choice = self.runtime.device
         use_cuda = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
         device = torch.device("cuda", ctx.env.local_rank) if use_cuda else torch.device("cpu")
-        torch.set_num_threads(int(self.runtime.get("torch_threads") or 1))
+        torch.set_num_threads(self.runtime.torch_threads)
         # gloo even on GPUs: the ranks only agree on a few integers; the teacher needs no collectives.
-        init_distributed(ctx.env, "gloo", timeout_s=self.runtime.get("collective_timeout_s") or 3600,
-                         rendezvous_timeout_s=self.runtime.get("rendezvous_timeout_s", 300), use_cuda=use_cuda)
+        init_distributed(ctx.env, "gloo", timeout_s=self.runtime.collective_timeout_s or 3600,
+                         rendezvous_timeout_s=self.runtime.rendezvous_timeout_s, use_cuda=use_cuda)
         try:
             return _Worker(self, ctx, device).run()
         finally:
@@ -557,8 +556,7 @@ class _WindowReader:
         try:
             return {"window": window, "frames": self.clips.read_window(window), "error": ""}
         except Exception as err:  # one bad window never stops a shard: it is recorded as failed
-            text = str(err).strip().splitlines()
-            return {"window": window, "frames": None, "error": f"{type(err).__name__}: {text[0] if text else ''}"[:300]}
+            return {"window": window, "frames": None, "error": one_line(err)[:300]}
 
 
 class _Worker:
@@ -571,12 +569,12 @@ class _Worker:
         import torch
         import torch.distributed as dist
 
-        from .losses import load_teacher
+        from .teacher import load_teacher
 
         ctx, env = self.ctx, self.env
-        plan = Plan.read(self.out)
-        remaining = self._agree_on_remaining(plan)
-        s = plan.settings
+        manifest = Manifest.read(self.out)
+        remaining = self._agree_on_remaining(manifest)
+        s = manifest.settings
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32  # bf16 convs are slow on CPUs
         # Loaded before ctx.started: a bad teacher fails the job once instead of requeueing it.
         teacher = load_teacher(s["teacher_kind"], s["teacher_path"], s["scaling_factor"], s["seed"]).to(self.device, dtype)
@@ -585,15 +583,15 @@ class _Worker:
             if self.task.compile:
                 teacher.vae.encoder.compile(dynamic=False)
         self.teacher, self.latent_channels = teacher, int(teacher.vae.config.latent_channels)
-        clips = open_clips(plan)
-        done_before = plan.num_shards - len(remaining)
-        ctx.started(done_before, shards=plan.num_shards, remaining=len(remaining), device=str(self.device))
+        clips = open_clips(manifest)
+        done_before = manifest.num_shards - len(remaining)
+        ctx.started(done_before, shards=manifest.num_shards, remaining=len(remaining), device=str(self.device))
         mine = remaining[env.rank::env.world_size]
         rounds = math.ceil(len(remaining) / env.world_size)
         log.info("rank %d/%d: %d of %d shards left, %d for this rank (%s, batch %d, %s)", env.rank, env.world_size,
-                 len(remaining), plan.num_shards, len(mine), self.device, self.task.batch,
+                 len(remaining), manifest.num_shards, len(mine), self.device, self.task.batch,
                  "compiled" if self.task.compile and self.device.type == "cuda" else "eager")
-        stream = self._stream(clips, [w for shard in mine for w in plan.shard_windows(shard)])
+        stream = self._stream(clips, [w for shard in mine for w in manifest.shard_windows(shard)])
         written, began = 0, time.perf_counter()
         try:
             for k in range(rounds):
@@ -601,8 +599,8 @@ class _Worker:
                 # (each renamed into place whole); at a signal the round's count is what the run keeps.
                 ctx.step_boundary(done_before + k * env.world_size, functools.partial(self._shards_done, done_before, written))
                 if env.rank == 0:
-                    self._progress(done_before + k * env.world_size, plan, k * env.world_size, began)
-                if k < len(mine) and self._make_shard(plan, mine[k], stream):
+                    self._progress(done_before + k * env.world_size, manifest, k * env.world_size, began)
+                if k < len(mine) and self._make_shard(manifest, mine[k], stream):
                     written += 1
         finally:
             del stream  # stops the decoding workers
@@ -610,12 +608,12 @@ class _Worker:
         if dist.is_initialized() and env.world_size > 1:
             dist.barrier()  # every shard is renamed into place before rank 0 verifies
         result: dict[str, Any] = {"rank": env.rank, "world_size": env.world_size, "shards_written": written,
-                                  "shards_done": done, "shards": plan.num_shards}
+                                  "shards_done": done, "shards": manifest.num_shards}
         if env.rank == 0:
             report = verify(self.out)
             log.info("%s", report.table())
             result.update(ok=report.ok, windows_stored=report.windows_stored)
-            self._progress(done, plan, len(remaining), began)
+            self._progress(done, manifest, len(remaining), began)
         ctx.finished(done)
         return result
 
@@ -629,7 +627,7 @@ class _Worker:
             dist.all_reduce(total)
         return done_before + int(total.item())
 
-    def _agree_on_remaining(self, plan: Plan) -> list[int]:
+    def _agree_on_remaining(self, manifest: Manifest) -> list[int]:
         """Rank 0 lists the unfinished shards and every rank gets the same list (no one has written yet)."""
         import torch.distributed as dist
 
@@ -640,7 +638,7 @@ class _Worker:
             if removed:
                 log.info("removed %d temporary shard file(s) left by an interrupted run", removed)
             done = finished_shards(self.out)
-            box[0] = [shard for shard in range(plan.num_shards) if shard not in done]
+            box[0] = [shard for shard in range(manifest.num_shards) if shard not in done]
         if dist.is_initialized() and self.env.world_size > 1:
             dist.broadcast_object_list(box, src=0)
         return list(box[0])
@@ -649,7 +647,7 @@ class _Worker:
         """This rank's windows in order, decoded ahead by worker processes while the teacher runs."""
         from torch.utils.data import DataLoader
 
-        cpus = int(self.task.runtime.get("cpus_per_task") or 1)
+        cpus = self.task.runtime.cpus_per_task
         workers = self.task.workers
         if workers is None:
             workers = max(1, min(8, cpus - 1)) if self.device.type == "cuda" else 0
@@ -657,11 +655,11 @@ class _Worker:
                             pin_memory=self.device.type == "cuda", prefetch_factor=4 if workers else None)
         return iter(loader)
 
-    def _make_shard(self, plan: Plan, shard: int, stream: Iterator[dict[str, Any]]) -> bool:
+    def _make_shard(self, manifest: Manifest, shard: int, stream: Iterator[dict[str, Any]]) -> bool:
         """Decode, encode and write one shard; False if a signal made us abandon it."""
         import torch
 
-        windows = plan.shard_windows(shard)
+        windows = manifest.shard_windows(shard)
         frames, latents, stored, failed = [], [], [], []
         pending: list[dict[str, Any]] = []
         began = time.perf_counter()
@@ -675,7 +673,7 @@ class _Worker:
                 raise RuntimeError(f"window stream out of order: got {item['window']}, expected {window}")
             if item["frames"] is None:
                 failed.append([window, item["error"]])
-                log.warning("shard %d: window %d (%s frame %d) not stored: %s", shard, window, *plan.windows[window], item["error"])
+                log.warning("shard %d: window %d (%s frame %d) not stored: %s", shard, window, *manifest.windows[window], item["error"])
                 continue
             pending.append(item)
             if len(pending) == self.task.batch:
@@ -683,14 +681,14 @@ class _Worker:
                 pending = []
         if pending:
             self._encode(pending, frames, latents, stored)
-        t, h, w = plan.spec
+        t, h, w = manifest.spec
         tensors = {
             "frames": torch.cat(frames) if frames else torch.empty((0, t, 3, h, w), dtype=torch.uint8),
             "latents": torch.cat(latents) if latents else torch.empty(
                 (0, t // TIME_FACTOR, self.latent_channels, h // SPATIAL_FACTOR, w // SPATIAL_FACTOR), dtype=torch.bfloat16),
         }
-        meta = shard_metadata(shard, stored, [plan.windows[w] for w in stored], failed, plan.spec, time.perf_counter() - began, rank=self.env.rank,
-                              job_id=self.env.job_id, teacher=f"{plan.settings['teacher_kind']} {plan.settings['teacher_path']}")
+        meta = shard_metadata(shard, stored, [manifest.windows[w] for w in stored], failed, manifest.spec, time.perf_counter() - began, rank=self.env.rank,
+                              job_id=self.env.job_id, teacher=f"{manifest.settings['teacher_kind']} {manifest.settings['teacher_path']}")
         write_shard(shard_path(self.out, shard), tensors, meta, tag=self.env.job_id)
         seconds = time.perf_counter() - began
         self.ctx.events.write("shard", shard=shard, rank=self.env.rank, segment=self.ctx.segment, job_id=self.env.job_id,
@@ -717,25 +715,16 @@ class _Worker:
         return should_abandon(done, total, time.perf_counter() - began, time.time() - (stop.signal_time or time.time()),
                               self.task.finish_budget_s.get(stop.reason or "preempted", 10.0))
 
-    def _progress(self, done: int, plan: Plan, processed: int, began: float) -> None:
+    def _progress(self, done: int, manifest: Manifest, processed: int, began: float) -> None:
         """Rank 0's progress line in metrics.jsonl, so `jobs.status` and `JobHandle.wait` show shards done."""
         elapsed = time.perf_counter() - began
-        row = {"step": done, "time": time.time(), "shards": plan.num_shards,
+        row = {"step": done, "time": time.time(), "shards": manifest.num_shards,
                "shards_per_second": processed / elapsed if elapsed > 0 and processed else None}
         with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
 
 # ------------------------------------------------------------------------------------------- helpers
-
-
-def _setup_logging(rank: int) -> None:
-    log.handlers.clear()
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
 
 
 def _write_csv(path: Path, header: Sequence[str], rows: Any) -> None:
@@ -746,3 +735,55 @@ def _write_csv(path: Path, header: Sequence[str], rows: Any) -> None:
     writer.writerow(header)
     writer.writerows(rows)
     write_text_atomic(path, buf.getvalue())
+
+
+# --------------------------------------------------------------------------------- submitting
+
+
+def check_out(out: Path, settings: PrepareSettings) -> Manifest | None:
+    """The saved plan when `out` holds this very preparation (resume), None for a new or empty folder."""
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"--out {out} is a file, not a folder; pass a new folder path")
+    content = []  # empty, or only the window list of an indexing that stopped before prepare.json: start afresh
+    if out.is_dir():
+        content = [p.name for p in out.iterdir() if p.name not in (VIDEOS_FILE, WINDOWS_FILE) and not p.name.startswith(".")]
+    if not content:
+        parent = out.parent if not out.exists() else out
+        while not parent.exists():
+            parent = parent.parent
+        if not _writable(parent):
+            raise PrepareError(f"--out {out}: {parent} is not writable by you; pick a folder you can write")
+        return None
+    if not (out / MANIFEST_FILE).is_file():
+        raise PrepareError(f"--out {out} is not empty and holds no preparation ({MANIFEST_FILE}); pass a new or empty folder")
+    if not _writable(out):
+        raise PrepareError(f"--out {out} is not writable by you; pick a folder you can write")
+    info = read_manifest_info(out)
+    differ = [f"{key} {info.get(key)!r} → {value!r}" for key, value in settings.identity().items() if info.get(key) != value]
+    if differ:
+        raise PrepareError(f"--out {out} was prepared with other settings ({'; '.join(differ)}); use those settings to "
+                           "resume it, or pass a new --out")
+    return Manifest.read(out)
+
+
+def submit_prepare(cluster: ClusterConfig, out: str | os.PathLike, run_name: str | None = None, batch: int = 4,
+                   workers: int | None = None, compile: bool = False) -> JobHandle:
+    """Submit the preparation of `out` (its manifest already written) as one job; returns its JobHandle."""
+    from taehv_slurm.requeue import grace_seconds
+    from taehv_slurm.submission import submit
+
+    # After a signal a shard in progress is finished only if that fits well inside the signal's grace
+    # (half of it: the save, the requeue and the exit need the rest).
+    budget = {reason: seconds / 2 for reason, seconds in grace_seconds(cluster.signal_delay_s, cluster.kill_wait_s).items()}
+    # The device follows the cluster shape: ranks of a GPU-less config stay on the CPU even where CUDA exists.
+    runtime = cluster.runtime(device=cluster.task_device())
+    out = Path(out).resolve()
+    task = PrepareTask(str(out), runtime, batch=batch, workers=workers, compile=compile, finish_budget_s=budget)
+    name = run_name or f"prepare-{out.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    # manifest.total_steps: jobs.status and JobHandle.wait show shards done / shards (rank 0 logs them as steps)
+    record = {"task_kind": "prepare", "out": str(out), "plan": {"total_steps": read_manifest_info(out)["shards"]}}
+    return submit(task, cluster, name, record=record)
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK | os.X_OK)

@@ -18,7 +18,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from .data import ClipSpec
-from .prepare import INDEX_FILE, PrepareError, read_plan_info, shard_path
+from .prepare import INDEX_FILE, PrepareError, read_manifest_info, shard_path
 
 
 class PreparedClips(Dataset):
@@ -31,7 +31,7 @@ class PreparedClips(Dataset):
     def __init__(self, root: str | os.PathLike, spec: ClipSpec, max_open: int = 64) -> None:
         self.root, self.spec, self.max_open = Path(root), spec, max_open
         try:
-            info = read_plan_info(self.root)
+            info = read_manifest_info(self.root)
         except PrepareError as err:
             raise ValueError(str(err)) from None
         prepared = (int(info["frames"]), int(info["height"]), int(info["width"]))
@@ -91,9 +91,4 @@ class PreparedClips(Dataset):
         state = dict(self.__dict__)
         state["_handles"] = OrderedDict()  # handles are per process (spawned workers reopen them)
         return state
-
-    @property
-    def latent_shape(self) -> tuple[int, ...]:
-        """L×C×h×w of one item's latents (from the first shard's header)."""
-        return tuple(self._open(int(self.shards[0])).get_slice("latents").get_shape()[1:])
 

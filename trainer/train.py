@@ -30,15 +30,18 @@ import torch
 import torch.distributed as dist
 
 from taehv_slurm.checkpoint import Checkpointer
-from taehv_slurm.config import TrainConfig, load_train
+from taehv_slurm.config import RuntimeSettings, TrainConfig, load_train
 from taehv_slurm.distenv import DistEnv, destroy_distributed, init_distributed
+from taehv_slurm.messages import rank_logger
 from taehv_slurm.plan import ScalePlan, plan_for
 from taehv_slurm.requeue import RunContext
 
 from .data import ClipSpec, GlobalOrder, SyntheticClips, VideoFolderClips, microbatches
 from .engine import Engine, Microbatch, StepMetrics, make_engine
-from .losses import DistillModule, load_teacher, lr_at
+from .losses import DistillModule
 from .model import TAEHV, TAEHVConfig, init_for_training, load_published_weights
+from .schedule import lr_at
+from .teacher import load_teacher
 
 log = logging.getLogger("taehv")
 DATA_WAIT_WARN = 0.10  # warn once when the ranks wait for data longer than this fraction of a log window
@@ -54,27 +57,27 @@ class TrainTask:
     Called by RequeueableTask with a RunContext; call it with no argument to run standalone.
     """
 
-    def __init__(self, train: Mapping[str, Any], runtime: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, train: Mapping[str, Any], runtime: RuntimeSettings | Mapping[str, Any] | None = None) -> None:
         self.train = dict(train)
-        self.runtime = dict(runtime or {})
+        self.runtime = RuntimeSettings.of(runtime)
 
     def __call__(self, ctx: RunContext | None = None) -> dict[str, Any]:
         cfg = load_train(self.train)
         # Inside a submitted task (also one that calls TrainTask itself) the job's own context: the run
         # folder, the signals and the requeue are the job's, not a folder of their own.
-        ctx = ctx or RunContext.current() or RunContext.standalone(self.runtime.get("run_dir") or Path("runs") / cfg.name)
+        rt = self.runtime
+        ctx = ctx or RunContext.current() or RunContext.standalone(rt.run_dir or Path("runs") / cfg.name)
         env = ctx.env
-        _setup_logging(env)
-        device = _device(self.runtime.get("device", "auto"), env)
+        rank_logger(log.name, env.rank)  # our logger only: submitit logs through its own handler
+        device = _device(rt.device, env)
         configure_backends(device)
-        torch.set_num_threads(int(self.runtime.get("torch_threads") or 1))
-        plan = plan_for(env.num_nodes, env.local_world_size, cfg, gpu_memory_gb=self.runtime.get("gpu_memory_gb", 80.0),
-                        cpus_per_task=self.runtime.get("cpus_per_task"), device=device.type)
+        torch.set_num_threads(rt.torch_threads)
+        plan = plan_for(env.num_nodes, env.local_world_size, cfg, gpu_memory_gb=rt.gpu_memory_gb,
+                        cpus_per_task=rt.cpus_per_task, device=device.type)
         for key, value in plan.nccl_env.items():
             os.environ.setdefault(key, value)
-        init_distributed(env, self.runtime.get("dist_backend", "auto"),
-                         timeout_s=self.runtime.get("collective_timeout_s") or plan.nccl_timeout_s,
-                         rendezvous_timeout_s=self.runtime.get("rendezvous_timeout_s", 300),
+        init_distributed(env, rt.dist_backend, timeout_s=rt.collective_timeout_s or plan.nccl_timeout_s,
+                         rendezvous_timeout_s=rt.rendezvous_timeout_s,
                          use_cuda=device.type == "cuda")
         try:
             return Trainer(cfg, plan, env, device, ctx).run()
@@ -153,6 +156,10 @@ class Trainer:
                               prefetch_factor=plan.prefetch_factor, pin_memory=self.device.type == "cuda")
         window = LogWindow(self.device)
         last: dict[str, float] = {}
+        if step >= cfg.steps and self.main:
+            log.warning("nothing to train: the checkpoint is at step %d and steps is %d; submit with a higher "
+                        "--set steps=N to train on", step, cfg.steps)
+        resumed_at = step
         while step < cfg.steps:
             ctx.step_boundary(step, functools.partial(self.save_at_signal, step, metrics), self.device)
             lr = lr_at(step, plan.lr, plan.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
@@ -170,7 +177,8 @@ class Trainer:
                 metrics.write(step, self.validate(), prefix="val")
             if step % plan.ckpt_every == 0 and step < cfg.steps:
                 self.save(step, blocking=not cfg.intervals.async_checkpoint)
-        self.save(step, blocking=True)
+        if step > resumed_at:  # a run resumed at its last step keeps its checkpoint as it is
+            self.save(step, blocking=True)
         metrics.close()
         ctx.finished(step)
         return {"step": step, "rank": env.rank, "world_size": env.world_size, "engine": plan.engine,
@@ -388,16 +396,6 @@ def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _setup_logging(env: DistEnv) -> None:
-    """Our own logger only (submitit logs through its own handler): rank 0 informs, others warn."""
-    log.handlers.clear()
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {env.rank}] %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if env.rank == 0 else logging.WARNING)
-    log.propagate = False
 
 
 class MetricsWriter:

@@ -1,0 +1,309 @@
+"""Reports on runs: metrics and registries as pandas DataFrames, status tables, plots, and the progress
+display of `JobHandle.wait` (imports pandas; the light paths — submitting, `jobs.status` without a
+table — do not import this module).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+from .registry import read_registry, run_name
+from .requeue import EventLog
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .handle import JobHandle
+
+# Columns first in `metrics()`, in this order (others follow as the trainer wrote them).
+METRIC_COLUMNS = ("step", "time", "event", "loss", "psnr", "samples_per_second", "lr", "gpu_memory_gb")
+
+
+# ------------------------------------------------------------------------------------ frames
+
+
+def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, Any]] = ()) -> pd.DataFrame:
+    """metrics.jsonl of a run folder (+ requeue rows) as a DataFrame; see `JobHandle.metrics`."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [dict(r, event="val" if any(k.startswith("val_") for k in r) else "train")
+            for r in (EventLog(path).read() if path.exists() else [])]
+    rows += [{k: v for k, v in e.items() if k not in ("event", "failed_at_step")} | {"event": "requeue"}
+             for e in requeues]
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return pd.DataFrame(columns=list(METRIC_COLUMNS))
+    for column in METRIC_COLUMNS:
+        if column not in frame:
+            frame[column] = pd.Series(dtype=float)
+    frame = frame.sort_values(["step", "time"], kind="stable").reset_index(drop=True)
+    frame["step"] = frame["step"].astype(int)
+    frame["elapsed_s"] = frame["time"] - frame["time"].min()
+    frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+    return frame[[*METRIC_COLUMNS, *[c for c in frame.columns if c not in METRIC_COLUMNS]]]
+
+
+def runs_frame(handles: Sequence[JobHandle | str], columns: Sequence[str] = (), *,
+               job_dir: str | os.PathLike | None = None, final: bool = False) -> pd.DataFrame:
+    """The metrics of several runs in one DataFrame, with job_id, run and each run's swept values as columns.
+
+    handles: JobHandles, or job ids with `job_dir`. final=True keeps one row per run: its last train row
+    (with the last validation values beside it) — a sweep's results table.
+    """
+    from .handle import JobHandle
+
+    parts = []
+    for item in handles:
+        handle = item if isinstance(item, JobHandle) else JobHandle.attach(item, job_dir or "runs")
+        frame = handle.metrics()
+        if final:
+            frame = _final_row(frame)
+        parts.append(frame.assign(job_id=handle.job_id, run=handle.name, **handle.sweep))
+    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    front = [c for c in ("job_id", "run") if c in frame]
+    swept = [k for h in handles if isinstance(h, JobHandle) for k in h.sweep]
+    order = list(dict.fromkeys([*front, *swept, *frame.columns]))
+    frame = frame[order]
+    return frame[[*columns]] if columns else frame
+
+
+def _final_row(frame: pd.DataFrame) -> pd.DataFrame:
+    train = frame[frame["event"] == "train"]
+    if train.empty:
+        return train
+    row = train.iloc[[-1]].reset_index(drop=True).dropna(axis=1, how="all")
+    val = frame[frame["event"] == "val"]
+    if not val.empty:
+        last = val.iloc[-1]
+        extra = {k: last[k] for k in val.columns if k.startswith("val_")}
+        row = row.assign(**extra, val_step=int(last["step"]))
+    row["requeues"] = int((frame["event"] == "requeue").sum())
+    return pd.DataFrame(row)
+
+
+def registry_frame(job_dir: str | os.PathLike) -> pd.DataFrame:
+    """The registry as a table: one row per submitted run (job id, run, when, shape, task, swept values)."""
+    rows = []
+    for rec in read_registry(job_dir):
+        rows.append({"job_id": rec["job_id"], "run": run_name(rec),
+                     "submitted": pd.Timestamp(rec.get("submitted_at", 0), unit="s"),
+                     "backend": rec.get("backend"), "nodes": rec.get("nodes"), "world_size": rec.get("world_size"),
+                     "task": rec.get("task"), "steps": (rec.get("plan") or {}).get("total_steps"),
+                     **(rec.get("sweep") or {})})
+    return pd.DataFrame(rows)
+
+
+def accounting_frame(handles: Sequence[JobHandle]) -> pd.DataFrame:
+    """Slurm's accounting of the runs, one row per run attempt (the first run and each requeue): job id,
+    run, attempt, state, exit code, elapsed, start, end, nodes, GPUs (AllocTRES gres/gpu; empty where the
+    site does not account GPUs) and the largest step's MaxRSS in GB. Empty for runs without accounting
+    (the local backend, a cluster without slurmdbd)."""
+    rows = []
+    for handle in handles:
+        if handle.cluster.backend != "slurm":
+            continue
+        frame = handle.accounting()
+        if frame.empty:
+            continue
+        steps = frame[frame["JobID"].str.contains(".", regex=False)]
+        for _, alloc in frame[frame["JobID"] == handle.job_id].iterrows():
+            mine = steps[steps["Attempt"] == alloc["Attempt"]]
+            rss = [_bytes(v) for v in mine.get("MaxRSS", []) if v]
+            tres = dict(item.split("=", 1) for item in str(alloc.get("AllocTRES", "")).split(",") if "=" in item)
+            rows.append({"job_id": handle.job_id, "run": handle.name, "attempt": int(alloc["Attempt"]),
+                         "state": alloc["State"], "exit_code": alloc["ExitCode"], "elapsed": alloc["Elapsed"],
+                         "elapsed_s": alloc["ElapsedSeconds"], "start": alloc["Start"], "end": alloc["End"],
+                         "nodes": int(alloc["NNodes"]), "gpus": int(tres["gres/gpu"]) if "gres/gpu" in tres else None,
+                         "max_rss_gb": round(max(rss) / 1e9, 3) if rss else None})
+    return pd.DataFrame(rows, columns=["job_id", "run", "attempt", "state", "exit_code", "elapsed", "elapsed_s",
+                                       "start", "end", "nodes", "gpus", "max_rss_gb"])
+
+
+def _bytes(text: str) -> float:
+    """sacct's memory text ('541940K', '1.50G', '812M', '1024') as bytes."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
+
+
+def render(frame: pd.DataFrame, fmt: str) -> str:
+    """A frame as the CLIs print it: 'table' (aligned text), 'csv', or 'json' (a list of records)."""
+    if fmt == "csv":
+        return frame.to_csv(index=False).rstrip("\n")
+    if fmt == "json":
+        return frame.to_json(orient="records", indent=1, date_format="iso")
+    return text_table(frame.to_dict("records"))
+
+
+def status_frame(handles: Sequence[JobHandle]) -> pd.DataFrame:
+    """One status row per run (`JobHandle.summary`), swept values as columns, note last."""
+    rows = [h.summary() for h in handles]
+    columns = list(dict.fromkeys(k for row in rows for k in row if k != "note")) + ["note"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def status_table(handles: Sequence[JobHandle]) -> str:
+    """The runs as a left-aligned text table: one row per run, swept values as extra columns, note last."""
+    return render(status_frame(handles), "table")
+
+
+def text_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Rows as a left-aligned text table, '-' for a missing value."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _cell(value: object) -> str:
+    if value is None or (isinstance(value, float) and value != value):  # None, or NaN from a frame
+        return "-"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+
+# ---------------------------------------------------------------------------------- progress
+
+
+def _in_notebook() -> bool:
+    if "ipykernel" not in sys.modules:
+        return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+class Progress:
+    """wait()'s display: an HTML bar replaced in place in a notebook (no ipywidgets needed), tqdm in a
+    terminal, else one plain line per state change and at most one per `every_s` for steps."""
+
+    def __init__(self, label: str, total: int | None, enabled: bool = True, every_s: float = 10.0) -> None:
+        self.label, self.total, self.enabled, self.every_s = label, total, enabled, every_s
+        self.mode = "off" if not enabled else "notebook" if _in_notebook() else "tty" if sys.stderr.isatty() else "lines"
+        self.began = time.monotonic()
+        self.last: tuple[str, int | None, int] | None = None
+        self.last_line = 0.0
+        self.handle: Any = None
+        self.bar: Any = None
+        if self.mode == "tty":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=label, unit="step")
+
+    def text(self, state: str, step: int | None, requeues: int) -> str:
+        of = f"/{self.total}" if self.total else ""
+        again = f" · requeued {requeues}×" if requeues else ""
+        return f"{self.label}: {state} · step {step if step is not None else '-'}{of}{again} · {time.monotonic() - self.began:.0f} s"
+
+    def update(self, state: str, step: int | None, requeues: int) -> None:
+        now = (state, step, requeues)
+        if self.mode == "off" or now == self.last:
+            return
+        text = self.text(state, step, requeues)
+        if self.mode == "notebook":
+            from IPython.display import display
+
+            fraction = min(1.0, (step or 0) / self.total) if self.total else 0.0
+            html = (f'<div style="font-family:monospace"><progress value="{fraction:.3f}" max="1" '
+                    f'style="width:18em;vertical-align:middle"></progress> {_html_escape(text)}</div>')
+            data = {"text/plain": text, "text/html": html}
+            if self.handle is None:
+                self.handle = display(data, raw=True, display_id=True)
+            else:
+                self.handle.update(data, raw=True)
+        elif self.mode == "tty":
+            self.bar.n = step or 0
+            self.bar.set_postfix_str(f"{state}{f', requeued {requeues}×' if requeues else ''}", refresh=True)
+        else:
+            state_changed = self.last is None or self.last[0] != state or self.last[2] != requeues
+            if state_changed or time.monotonic() - self.last_line >= self.every_s:
+                print(text, flush=True)
+                self.last_line = time.monotonic()
+            else:
+                return  # keep self.last so the next step change is compared with what was printed
+        self.last = now
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _html_escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+# ---------------------------------------------------------------------------------- plotting
+
+
+def plot_metrics(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike | None = None,
+                 title: str | None = None) -> Figure:
+    """One figure of loss, PSNR and samples/s against step for one or more runs (label → metrics frame).
+
+    Training values are lines, validation values circles, requeues dashed vertical lines (red for one
+    run, else in the run's colour); one legend below the panels.
+    """
+    import matplotlib
+
+    if path is not None and "matplotlib.pyplot" not in sys.modules and not _in_notebook():
+        matplotlib.use("Agg")  # saving from a script or CI: no display needed
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
+    panels = (("loss", "val_loss", "loss"), ("psnr", "val_psnr", "PSNR (dB)"),
+              ("samples_per_second", None, "throughput (clips/s)"))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    single = len(frames) == 1
+    legend: dict[str, Line2D] = {}  # runs first, then the marker kinds
+    kinds: dict[str, Line2D] = {}
+    for i, (label, frame) in enumerate(frames.items()):
+        color = colors[i % len(colors)]
+        if frame.empty:
+            continue
+        train = frame[frame["event"] == "train"]
+        val = frame[frame["event"] == "val"]
+        for ax, (column, val_column, _) in zip(axes, panels):
+            if column in train and train[column].notna().any():
+                data = train[["step", column]].dropna()
+                ax.plot(data["step"], data[column], color=color, linewidth=1.5)
+            if val_column and val_column in val and val[val_column].notna().any():
+                data = val[["step", val_column]].dropna()
+                ax.plot(data["step"], data[val_column], "o", color=color, markersize=7, markerfacecolor="white",
+                        markeredgewidth=1.5)
+        legend["train" if single else str(label)] = Line2D([], [], color=color, linewidth=1.5)
+        if "val_loss" in val or "val_psnr" in val:
+            kinds["validation"] = Line2D([], [], marker="o", linestyle="", markerfacecolor="white",
+                                          markeredgewidth=1.5, color=color if single else "0.3")
+        mark = "tab:red" if single else color
+        requeues = frame[frame["event"] == "requeue"]
+        for step in requeues["step"]:
+            for ax in axes:
+                ax.axvline(step, color=mark, linestyle="--", linewidth=1.2, alpha=0.9)
+        if not requeues.empty:
+            reasons = requeues["reason"] if "reason" in requeues else ["?"] * len(requeues)
+            what = ", ".join(f"{r} at step {int(s)}" for r, s in zip(reasons, requeues["step"]))
+            kinds[f"requeue ({what})" if single else "requeue"] = Line2D(
+                [], [], color=mark if single else "0.3", linestyle="--", linewidth=1.2)
+    for ax, (_, _, name) in zip(axes, panels):
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    legend.update(kinds)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.07 if legend else 0, 1, 1))
+    if legend:
+        fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend), frameon=False, fontsize=9)
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig

@@ -1,0 +1,210 @@
+"""Submit tasks: `submit()` / `submit_many()` → `JobHandle`s.
+
+Every run gets a private folder under the cluster's `job_dir`:
+
+    <job_dir>/registry.jsonl      one line per submitted run (taehv_slurm.registry)
+    <job_dir>/<run>/submitit/     submitit's pickles, sbatch script, one log per rank (<job>_<rank>_log.out)
+    <job_dir>/<run>/checkpoints/  atomic checkpoints (`latest`)
+    <job_dir>/<run>/metrics.jsonl per-step metrics written by rank 0
+    <job_dir>/<run>/events.jsonl  starts, requeues, failures, stops (taehv_slurm.requeue)
+    <job_dir>/<run>/tb/           TensorBoard event files
+
+A sweep is one job array: `<job_dir>/<group>/submitit/` for the array and `<job_dir>/<group>/<point>/`
+per run. Nothing is written before every check passed (picklable, takes the run context, no live job
+for the run, safe folders), and secret env values reach the job only through sbatch's environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import slurm
+from .config import ClusterConfig, ConfigError
+from .executor import SubmissionError, describe_sbatch_error, make_executor
+from .handle import JobHandle
+from .picklecheck import check_picklable
+from .registry import read_registry, record_submission, run_name
+from .requeue import RequeueableTask, check_takes_context
+from .runlock import RunLock, describe_live
+from .security import check_safe_to_load, make_private_dir, private_umask
+from .submitit_api import FailedJobError
+
+
+class RunBusyError(RuntimeError):
+    """The run already has a live job; the message names it and how to follow, cancel or take over."""
+
+
+def default_run_name(prefix: str) -> str:
+    return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
+
+
+def submit(task: Callable[..., Any], cluster: ClusterConfig, run_name: str | None = None, *,
+           extra_env: Mapping[str, str] | None = None, requeueable: bool = True,
+           record: Mapping[str, Any] | None = None, force: bool = False) -> JobHandle:
+    """Submit `task` (a picklable callable taking a RunContext) to `cluster`; returns its handle.
+
+    requeueable: wrap in RequeueableTask (save on signals, requeue, guards); the task must take the
+    run context (`def task(ctx)`) and call `ctx.step_boundary(step, save)` at each step. `record` is
+    stored in the job registry beside the (secret-free) cluster config, e.g. the train config and
+    plan. A run name whose job is still pending or running is refused; force=True cancels that job
+    (it saves at the signal), waits for it to end, then submits.
+    """
+    return submit_many([task], cluster, [run_name] if run_name else None, extra_env=extra_env,
+                       requeueable=requeueable, records=[dict(record or {})], force=force)[0]
+
+
+def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run_names: Sequence[str] | None = None,
+                *, extra_env: Mapping[str, str] | None = None, requeueable: bool = True,
+                records: Sequence[Mapping[str, Any]] | None = None, group_name: str | None = None,
+                force: bool = False) -> list[JobHandle]:
+    """Submit several tasks at once: on Slurm a job array (one array task per run), each its own run folder.
+
+    run_names name the run folders (inside the group folder for several tasks); records (one per task)
+    go into the registry, e.g. {"sweep": {"optim.lr": 1e-4}} — `runs_frame` turns those into columns.
+    """
+    if not tasks:
+        raise ValueError("submit_many: no tasks to submit")
+    if run_names is not None and len(run_names) != len(tasks):
+        raise ValueError(f"submit_many: {len(tasks)} tasks but {len(run_names)} run names")
+    for task in tasks:  # before any folder exists: a failure leaves nothing behind
+        check_picklable(task)
+        if requeueable:
+            check_takes_context(task)
+    if cluster.backend == "slurm" and (reason := slurm.no_slurm_reason(probe=True)):
+        raise SubmissionError(reason)
+    check_job_dir(cluster.job_dir)
+    base = Path(cluster.job_dir)
+    if len(tasks) == 1:
+        planned = [base / (run_names[0] if run_names else default_run_name(cluster.name))]
+    else:  # a sweep: <job_dir>/<group>/<run>/ with one submitit folder for the array
+        group_dir = base / (group_name or default_run_name(cluster.name))
+        planned = [group_dir / name for name in (run_names or [f"run{i}" for i in range(len(tasks))])]
+    take_over_runs(planned, base, force)
+    # The folders this call creates (outermost first) are removed again if the job is not submitted, so a
+    # refused submit leaves nothing behind; folders that existed before (a resumed run's) are never touched.
+    created = [p for p in (base, *([planned[0].parent] if len(tasks) > 1 else []), *planned) if not p.exists()]
+    try:
+        job_dir = make_private_dir(cluster.job_dir, cluster.group)
+        if len(tasks) == 1:
+            run_dirs = [job_dir / planned[0].relative_to(base)]
+            owner = run_dirs[0]
+        else:
+            owner = make_private_dir(job_dir / planned[0].parent.relative_to(base), cluster.group)
+            run_dirs = [owner / p.name for p in planned]
+        folder = owner / "submitit"  # the array's one folder for a sweep
+        for path in [*run_dirs, folder]:
+            make_private_dir(path, cluster.group)
+        check_safe_to_load(folder, owner)  # what the job's entry point will check: refuse now, not once it runs
+        wrapped = [
+            RequeueableTask(t, d, cluster.max_requeues, cluster.max_requeues_without_progress,
+                            cluster.requeue_on_failure, cluster.signal_delay_s, cluster.kill_wait_s) if requeueable else t
+            for t, d in zip(tasks, run_dirs)
+        ]
+        executor = make_executor(cluster, folder, extra_env, run_dir=owner)
+        # Taken before sbatch: events the job writes are never older than this (see JobHandle.events).
+        submitted_at = time.time()
+        # Private umask: the pickle and sbatch script, and the logs Slurm creates (it keeps the submitting umask).
+        # sbatch's refusal reaches the user once, as our one line: submitit would also print its raw lines.
+        with secrets_in_environ(cluster), private_umask(cluster.group), contextlib.redirect_stderr(io.StringIO()):
+            jobs = [executor.submit(wrapped[0])] if len(tasks) == 1 else executor.submit_array(wrapped)
+    except BaseException as err:
+        for path in reversed(created):
+            shutil.rmtree(path, ignore_errors=True)
+        if isinstance(err, FailedJobError):  # sbatch exited non-zero
+            raise SubmissionError(describe_sbatch_error(str(err))) from None
+        raise
+    handles = []
+    for job, run_dir, rec, task in zip(jobs, run_dirs, records or [{}] * len(tasks), tasks):
+        entry = {
+            "job_id": str(job.job_id),
+            "run": run_dir.relative_to(job_dir).as_posix(),
+            "folder_rel": folder.relative_to(job_dir).as_posix(),
+            "run_dir": str(run_dir),
+            "folder": str(folder),
+            "backend": cluster.backend,
+            "task": type(task).__name__,
+            "submitted_at": submitted_at,
+            "nodes": cluster.nodes,
+            "world_size": cluster.world_size,
+            "cluster": cluster.masked(),  # secrets as '***': the registry is a file others may read
+            **dict(rec),
+        }
+        record_submission(job_dir, entry)
+        handles.append(JobHandle(job, run_dir, cluster, entry))
+    return handles
+
+
+def check_job_dir(job_dir: str | os.PathLike) -> None:
+    """Refuse, in one line and before anything is written, a job_dir this user cannot create or write
+    in (probed with a temporary folder in it, or in its nearest existing parent, removed at once)."""
+    path = Path(job_dir)
+    existing = next(p for p in (path, *path.parents) if p.exists())  # a relative path ends at "."
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".taehv-probe-"))
+    except OSError as err:
+        where = "" if existing == path else f" (creating it in {existing})"
+        raise ConfigError(f"job_dir {job_dir}: cannot write there{where}: {err.strerror or err}; set job_dir to a "
+                          "folder you can write, on storage every node sees (--set job_dir=DIR)") from None
+
+
+def take_over_runs(run_dirs: Sequence[Path], job_dir: Path, force: bool) -> None:
+    """Refuse a run whose job is still pending or running (registry) or holds its lock; with force,
+    cancel those jobs (they save at the signal) and wait until they have ended."""
+    live: list[tuple[Path, str, JobHandle | None]] = []
+    registry = read_registry(job_dir)
+    for run_dir in run_dirs:
+        name = run_dir.relative_to(job_dir).as_posix()
+        ids = dict.fromkeys(r["job_id"] for r in registry if run_name(r) == name)
+        for job_id in ids:
+            handle = JobHandle.attach(job_id, job_dir)
+            state = handle.state
+            if not slurm.is_final(state):
+                live.append((run_dir, f"job {job_id} ({state})", handle))
+        holder = RunLock(run_dir, "", "").holder()
+        busy = describe_live(holder) if holder else None
+        if busy and str(holder.get("job_id")) not in ids:
+            live.append((run_dir, busy, None))
+    if not live:
+        return
+    if not force:
+        run_dir, what, handle = live[0]
+        follow = f"follow it with `python -m jobs.logs {handle.job_id} --follow`, " if handle else ""
+        raise RunBusyError(f"run {run_dir.relative_to(job_dir)} already has {what}: {follow}cancel it with "
+                           f"`python -m jobs.cancel {handle.job_id if handle else '<job id>'}`, or pass --force to cancel "
+                           "it (it saves) and take over, or use another --name")
+    for run_dir, what, handle in live:
+        if handle is None:
+            raise RunBusyError(f"run {run_dir.relative_to(job_dir)} is trained by {what}, which was not submitted to "
+                               f"{job_dir}: cancel it where it was submitted, then submit again")
+        handle.cancel()
+    for _, _, handle in live:
+        if handle is not None:
+            handle.wait(progress=False, timeout_s=float(handle.cluster.kill_wait_s) + 300)
+
+
+@contextlib.contextmanager
+def secrets_in_environ(cluster: ClusterConfig) -> Iterator[None]:
+    """Secret env values reach the job through sbatch's inherited environment — never a file."""
+    # '***' is a masked value (a config read back from the registry): the submitting environment's value stands.
+    secret = {k: v for k, v in cluster.env.items() if k in cluster.secret_names() and v != "***"}
+    saved = {k: os.environ.get(k) for k in secret}
+    os.environ.update(secret)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
