@@ -107,7 +107,8 @@ def run(argv: list[str], log: Path, timeout: float) -> subprocess.CompletedProce
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
     log.write_text(out.stdout + out.stderr)
-    print(f"$ {' '.join(argv[1:])}\n  exit {out.returncode} in {time.perf_counter() - began:.0f} s (log {log})", flush=True)
+    shown = [a.replace(f"{REPO}{os.sep}", "") for a in argv[1:]]  # repo files by their path in the repo
+    print(f"$ {' '.join(shown)}\n  exit {out.returncode} in {time.perf_counter() - began:.0f} s (log {log})", flush=True)
     if out.returncode != 0:
         print((out.stdout + out.stderr)[-3000:], flush=True)
     return out
