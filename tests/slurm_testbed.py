@@ -225,7 +225,10 @@ class Testbed:
             lines.append("GresTypes=gpu")
         if self.accounting:
             lines += ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=localhost",
-                      f"AccountingStoragePort={self.dbd_port}", "JobAcctGatherType=jobacct_gather/linux"]
+                      f"AccountingStoragePort={self.dbd_port}", "JobAcctGatherType=jobacct_gather/linux",
+                      # Sampled every second (Slurm's default is 30 s): a step of the tests' short jobs that is
+                      # ended by a requeue may otherwise never be sampled, and sacct shows no MaxRSS for it.
+                      "JobAcctGatherFrequency=task=1"]
             if self.gpus_per_node:  # GPUs in each job's accounting (AllocTRES), as sites that bill GPUs set it
                 lines.append("AccountingStorageTRES=gres/gpu")
         else:

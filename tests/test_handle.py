@@ -236,7 +236,7 @@ def test_requeued_job_completes_with_requeue_in_metrics_and_sacct(jobs: Jobs, ca
     acct = json.loads(cli("jobs.status", train.job_id, "--accounting", "--format", "json", "--job-dir",
                           str(jobs.job_dir)).stdout)
     assert [(r["attempt"], r["state"]) for r in acct] == [(0, "REQUEUED"), (1, "COMPLETED")]
-    assert all(r["gpus"] == 2 and r["nodes"] == 1 and r["elapsed_s"] > 0 and r["max_rss_gb"] > 0.05 for r in acct)
+    assert all(r["gpus"] == 2 and r["nodes"] == 1 and r["elapsed_s"] > 0 and r["max_rss_gb"] > 0.05 for r in acct), acct
     table = cli("jobs.status", train.job_id, "--accounting", "--job-dir", str(jobs.job_dir)).stdout.splitlines()
     assert table[0].split()[:4] == ["job_id", "run", "attempt", "state"] and len(table) == 3
     rows = list(csv.DictReader(io.StringIO(cli("jobs.status", train.job_id, "--accounting", "--format", "csv",

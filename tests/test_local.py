@@ -33,7 +33,10 @@ def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def start(job_dir: Path, name: str, *sets: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "jobs.submit", "--local", *TRAIN, "--name", name, "--set", f"job_dir={job_dir}",
             "--set", "intervals.log_every=1", *[a for s in sets for a in ("--set", s)]]
-    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # As a terminal's foreground job: SIGINT at its default action. Under a shell that started the tests
+    # in the background it is ignored, and an ignored signal stays ignored across exec (Ctrl-C would be lost).
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def events(run_dir: Path) -> list[dict]:
