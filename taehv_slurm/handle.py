@@ -124,7 +124,7 @@ class JobHandle:
             while True:
                 state = self.state
                 step = self.last_step()
-                display.update(state, step, len(self.requeues))
+                display.update(state, step, len(self.interruptions()))
                 if slurm.is_final(state) or (until_step is not None and (step or 0) >= until_step):
                     return state
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
@@ -225,7 +225,7 @@ class JobHandle:
             frame = self.accounting()
             if not frame.empty:
                 return int(frame.attrs.get("requeues", 0))
-        return len(self.requeues)
+        return len(self.interruptions())
 
     @property
     def stop_reason(self) -> str | None:
@@ -311,9 +311,9 @@ class JobHandle:
         step, total = self.last_step(), self.total_steps
         state = self.state
         note = self.stop_reason or (self.error if not slurm.is_success(state) else None) or ""
-        requeues = self.requeues
-        if not requeues.empty:
-            note = note or "requeued at step " + ", ".join(str(int(s)) for s in requeues["step"])
+        requeues = self.interruptions()
+        if requeues:
+            note = note or "requeued at step " + ", ".join(str(e["step"]) for e in requeues)
         return {"job_id": self.job_id, "run": self.name, "state": state,
                 "nodes": self.record.get("nodes"), "ranks": self.record.get("world_size"),
                 "step": f"{step if step is not None else '-'}/{total or '?'}", "requeues": len(requeues),

@@ -5,6 +5,7 @@ table — do not import this module).
 
 from __future__ import annotations
 
+import html
 import os
 import sys
 import time
@@ -168,7 +169,6 @@ def _cell(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-
 # ---------------------------------------------------------------------------------- progress
 
 
@@ -214,9 +214,9 @@ class Progress:
             from IPython.display import display
 
             fraction = min(1.0, (step or 0) / self.total) if self.total else 0.0
-            html = (f'<div style="font-family:monospace"><progress value="{fraction:.3f}" max="1" '
-                    f'style="width:18em;vertical-align:middle"></progress> {_html_escape(text)}</div>')
-            data = {"text/plain": text, "text/html": html}
+            markup = (f'<div style="font-family:monospace"><progress value="{fraction:.3f}" max="1" '
+                    f'style="width:18em;vertical-align:middle"></progress> {html.escape(text, quote=False)}</div>')
+            data = {"text/plain": text, "text/html": markup}
             if self.handle is None:
                 self.handle = display(data, raw=True, display_id=True)
             else:
@@ -236,10 +236,6 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _html_escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 # ---------------------------------------------------------------------------------- plotting
