@@ -24,7 +24,8 @@ def run_info(on_gpu: bool, **extra: Any) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": socket.gethostname(),
-        "device": torch.cuda.get_device_name(0) if on_gpu else platform.processor() or platform.machine() or "cpu",
+        "device": (torch.cuda.get_device_name(0) if on_gpu
+                   else platform.processor() or platform.machine() or "cpu"),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -42,7 +42,7 @@ from bench._record import run_info, write_results  # noqa: E402
 from bench.prepare_throughput import write_h264  # noqa: E402
 from taehv_slurm.config import load_train  # noqa: E402
 from taehv_slurm.plan import plan_for  # noqa: E402
-from trainer.data import ClipSpec, SyntheticClips  # noqa: E402
+from taehv_slurm.trainer.data import ClipSpec, SyntheticClips  # noqa: E402
 
 SHIPPED = REPO / "configs/train/taehv.yaml"
 
@@ -62,7 +62,8 @@ def make_videos(folder: Path, count: int, frames: int, height: int, width: int) 
 
 
 def make_teacher(folder: Path, tiny: bool) -> None:
-    """HunyuanVideo's VAE as a local diffusers folder: its default architecture (or a tiny one), seeded weights."""
+    """HunyuanVideo's VAE as a local diffusers folder: its default architecture (or a tiny one), seeded
+    weights."""
     if (folder / "config.json").is_file():
         return
     from diffusers import AutoencoderKLHunyuanVideo
@@ -82,8 +83,8 @@ def local_cluster(work: Path, on_gpu: bool, cpus: int) -> Path:
     return path
 
 
-def prepare_data(work: Path, spec: ClipSpec, videos: int, video_frames: int, cluster: Path, tiny_teacher: bool,
-                 timeout: float) -> Path:
+def prepare_data(work: Path, spec: ClipSpec, videos: int, video_frames: int, cluster: Path,
+                 tiny_teacher: bool, timeout: float) -> Path:
     """Videos, the teacher folder and `jobs.prepare --local` on them, under `work` (kept: reused next time);
     returns the prepared folder."""
     began = time.perf_counter()
@@ -93,8 +94,9 @@ def prepare_data(work: Path, spec: ClipSpec, videos: int, video_frames: int, clu
     prepared = work / "prepared"
     if not (prepared / "index.csv").is_file():
         shape = ["--frames", str(spec.frames), "--height", str(spec.height), "--width", str(spec.width)]
-        out = run([sys.executable, "-m", "jobs.prepare", "--data", str(work / "videos"), "--out", str(prepared),
-                   "--teacher-path", str(work / "hv-vae"), "--local", "--cluster", str(cluster), *shape],
+        out = run([sys.executable, "-m", "jobs.prepare", "--data", str(work / "videos"),
+                   "--out", str(prepared), "--teacher-path", str(work / "hv-vae"), "--local",
+                   "--cluster", str(cluster), *shape],
                   work / "prepare.log", timeout)
         if out.returncode != 0:
             sys.exit("error: jobs.prepare failed; see above")
@@ -105,10 +107,12 @@ def run(argv: list[str], log: Path, timeout: float) -> subprocess.CompletedProce
     """A CLI as the user runs it; its output goes to `log` (and the last lines on failure to us)."""
     began = time.perf_counter()
     out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                                       os.environ.get("PYTHONPATH")]))})
     log.write_text(out.stdout + out.stderr)
     shown = [a.replace(f"{REPO}{os.sep}", "") for a in argv[1:]]  # repo files by their path in the repo
-    print(f"$ {' '.join(shown)}\n  exit {out.returncode} in {time.perf_counter() - began:.0f} s (log {log})", flush=True)
+    print(f"$ {' '.join(shown)}\n  exit {out.returncode} in {time.perf_counter() - began:.0f} s "
+          f"(log {log})", flush=True)
     if out.returncode != 0:
         print((out.stdout + out.stderr)[-3000:], flush=True)
     return out
@@ -129,10 +133,10 @@ def steady(rows: list[dict[str, Any]], warmup_steps: int, effective: int) -> dic
 
 def isolated_step(train_cfg: dict[str, Any], with_latents: bool, device: torch.device, steps: int) -> float:
     """Clips/s of the trainer's own engine on micro-batches already on the device (no loader)."""
-    from trainer.engine import Microbatch, make_engine
-    from trainer.losses import DistillModule
-    from trainer.model import TAEHV, TAEHVConfig, init_for_training
-    from trainer.train import _model_fields, configure_backends
+    from taehv_slurm.trainer.engine import Microbatch, make_engine
+    from taehv_slurm.trainer.losses import DistillModule
+    from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training
+    from taehv_slurm.trainer.train import _model_fields, configure_backends
 
     cfg = load_train(train_cfg)
     plan = plan_for(1, 1 if device.type == "cuda" else 0, cfg, device=device.type)
@@ -144,7 +148,8 @@ def isolated_step(train_cfg: dict[str, Any], with_latents: bool, device: torch.d
     on_gpu = device.type == "cuda"
     if cfg.engine.channels_last and on_gpu:
         student.to(memory_format=torch.channels_last)
-    module = DistillModule(student, cfg.loss.latent_weight, cfg.loss.reconstruction_weight, cfg.loss.decoder_weight)
+    module = DistillModule(student, cfg.loss.latent_weight, cfg.loss.reconstruction_weight,
+                           cfg.loss.decoder_weight)
     engine = make_engine(plan.engine, module, device, precision=plan.precision, grad_clip=cfg.optim.grad_clip,
                          lr=plan.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
                          compile=cfg.engine.compile and on_gpu, compile_mode=cfg.engine.compile_mode,
@@ -153,7 +158,8 @@ def isolated_step(train_cfg: dict[str, Any], with_latents: bool, device: torch.d
     sizes = plan.microbatch_sizes(0)
     batches = []
     for size in sorted(set(sizes)):
-        frames = torch.randint(0, 256, (size, d.frames, 3, d.height, d.width), dtype=torch.uint8, device=device)
+        frames = torch.randint(0, 256, (size, d.frames, 3, d.height, d.width), dtype=torch.uint8,
+                               device=device)
         latents = torch.randn(size, d.frames // 4, cfg.model.latent_channels, d.height // 8, d.width // 8,
                               device=device) if with_latents else None
         batches.append((size, frames, latents))
@@ -170,9 +176,11 @@ def isolated_step(train_cfg: dict[str, Any], with_latents: bool, device: torch.d
     return steps * plan.effective_batch / (time.perf_counter() - began)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, with --smoke's tiny counts applied."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--work", default="/tmp/taehv-e2e", help="videos, teacher and shards (reused by a second run)")
+    p.add_argument("--work", default="/tmp/taehv-e2e",
+                   help="videos, teacher and shards (reused by a second run)")
     p.add_argument("--sources", default="prepared,video,synthetic")
     p.add_argument("--videos", type=int, default=48)
     p.add_argument("--video-frames", type=int, default=36, help="frames per file: 3 training windows of 12")
@@ -184,58 +192,89 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="CPU, 8×64×64 clips, a tiny teacher, 3 steps")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    on_gpu = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-    frames, height, width = (8, 64, 64) if args.smoke else (12, 480, 720)
     if args.smoke:
         args.videos, args.video_frames, args.steps, args.warmup_steps, args.isolated_steps = 3, 16, 3, 1, 1
         args.cpus = 1
+    return args
+
+
+def source_settings(source: str, args: argparse.Namespace, work: Path, prepared: Path,
+                    spec: ClipSpec) -> dict[str, Any]:
+    """The `--set` overrides of one source's run: its data, steps and a finer log interval (smoke: tiny)."""
+    sets: dict[str, Any] = {"data.source": source,
+                            "data.path": str(prepared if source == "prepared" else work / "videos"),
+                            "steps": args.steps, "intervals.log_every": 2}
+    if args.smoke:
+        sets.update({"data.frames": spec.frames, "data.height": spec.height, "data.width": spec.width,
+                     "data.val_clips": 2, "data.num_clips": 64, "model.encoder_width": 16,
+                     "model.decoder_widths": "[32,32,16,16]", "batch.effective": 8})
+    return sets
+
+
+def measure_source(source: str, args: argparse.Namespace, work: Path, prepared: Path, cluster: Path,
+                   spec: ClipSpec, device: torch.device) -> dict[str, Any]:
+    """One source: `jobs.submit --local` with the shipped config, its steady figures and the isolated step."""
+    on_gpu = device.type == "cuda"
+    name = f"e2e-{source}-{time.strftime('%H%M%S')}"
+    sets = source_settings(source, args, work, prepared, spec)
+    argv = [sys.executable, "-m", "jobs.submit", "--local", "--cluster", str(cluster),
+            "--train", str(SHIPPED), "--name", name,
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    out = run(argv, work / f"{name}.log", args.timeout)
+    metrics = work / "runs" / name / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    # The plan the run had: the shipped config with the same overrides (a "[..]" value is a YAML list).
+    train_cfg = load_train(load_train(SHIPPED).to_dict(),
+                           **{k: (json.loads(v) if isinstance(v, str) and v.startswith("[") else v)
+                              for k, v in sets.items()})
+    plan = plan_for(1, 1 if on_gpu else 0, train_cfg, cpus_per_task=args.cpus, device=device.type)
+    row: dict[str, Any] = {"source": source, "exit": out.returncode, "grad_accum": plan.grad_accum,
+                           "per_gpu_batch": plan.per_gpu_batch, "loader_workers": plan.num_workers,
+                           "plan_notes": plan.notes, **steady(lines, args.warmup_steps, plan.effective_batch)}
+    if on_gpu:
+        torch.cuda.empty_cache()
+    row["isolated_clips_per_s"] = isolated_step(train_cfg.to_dict(), source == "prepared", device,
+                                                args.isolated_steps)
+    if "clips_per_s" in row:
+        row["ratio"] = row["clips_per_s"] / row["isolated_clips_per_s"]
+    return row
+
+
+def print_table(info: dict[str, Any], cpus: int, rows: list[dict[str, Any]]) -> None:
+    """The rows as a table on stdout, under the device and versions they were measured with."""
+    print(f"\n{info['device']}, {cpus} CPUs per GPU, torch {info['torch']}; "
+          "configs/train/taehv.yaml as shipped")
+    print(f"{'source':>9} {'accum':>5} {'workers':>7} {'e2e clips/s':>11} {'isolated':>8} {'ratio':>6} "
+          f"{'data wait':>9} {'peak GiB':>8}")
+    for r in rows:
+        if "clips_per_s" not in r:
+            print(f"{r['source']:>9}  failed (exit {r['exit']})")
+            continue
+        print(f"{r['source']:>9} {r['grad_accum']:>5} {r['loader_workers']:>7} {r['clips_per_s']:>11.1f} "
+              f"{r['isolated_clips_per_s']:>8.1f} {100 * r['ratio']:>5.0f}% {100 * r['data_wait']:>8.0f}% "
+              f"{r['peak_gib']:>8.1f}")
+
+
+def main() -> None:
+    args = parse_args()
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    frames, height, width = (8, 64, 64) if args.smoke else (12, 480, 720)
     work = Path(args.work if not args.smoke else args.out + ".work" if args.out else "/tmp/taehv-e2e-smoke")
     work.mkdir(parents=True, exist_ok=True)
     info = run_info(on_gpu, clip=[frames, height, width], cpus_per_task=args.cpus, steps=args.steps)
     print(json.dumps(info), flush=True)
 
     cluster = local_cluster(work, on_gpu, args.cpus)
-    prepared = prepare_data(work, ClipSpec(frames, height, width), args.videos, args.video_frames, cluster, args.smoke,
-                            args.timeout)
-
-    shipped = load_train(SHIPPED)
+    spec = ClipSpec(frames, height, width)
+    prepared = prepare_data(work, spec, args.videos, args.video_frames, cluster, args.smoke, args.timeout)
     rows = []
     for source in args.sources.split(","):
-        name = f"e2e-{source}-{time.strftime('%H%M%S')}"
-        sets = {"data.source": source, "data.path": str(prepared if source == "prepared" else work / "videos"),
-                "steps": args.steps, "intervals.log_every": 2}
-        if args.smoke:
-            sets.update({"data.frames": frames, "data.height": height, "data.width": width, "data.val_clips": 2,
-                         "data.num_clips": 64, "model.encoder_width": 16, "model.decoder_widths": "[32,32,16,16]",
-                         "batch.effective": 8})
-        argv = [sys.executable, "-m", "jobs.submit", "--local", "--cluster", str(cluster), "--train", str(SHIPPED),
-                "--name", name, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
-        out = run(argv, work / f"{name}.log", args.timeout)
-        metrics = work / "runs" / name / "metrics.jsonl"
-        lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-        train_cfg = load_train(shipped.to_dict(), **{k: (json.loads(v) if isinstance(v, str) and v.startswith("[") else v)
-                                                     for k, v in sets.items()})
-        plan = plan_for(1, 1 if on_gpu else 0, train_cfg, cpus_per_task=args.cpus, device=device.type)
-        row: dict[str, Any] = {"source": source, "exit": out.returncode, "grad_accum": plan.grad_accum,
-                               "per_gpu_batch": plan.per_gpu_batch, "loader_workers": plan.num_workers,
-                               "plan_notes": plan.notes, **steady(lines, args.warmup_steps, plan.effective_batch)}
-        if on_gpu:
-            torch.cuda.empty_cache()
-        row["isolated_clips_per_s"] = isolated_step(train_cfg.to_dict(), source == "prepared", device, args.isolated_steps)
-        if "clips_per_s" in row:
-            row["ratio"] = row["clips_per_s"] / row["isolated_clips_per_s"]
+        row = measure_source(source, args, work, prepared, cluster, spec, device)
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    print(f"\n{info['device']}, {args.cpus} CPUs per GPU, torch {info['torch']}; configs/train/taehv.yaml as shipped")
-    print(f"{'source':>9} {'accum':>5} {'workers':>7} {'e2e clips/s':>11} {'isolated':>8} {'ratio':>6} {'data wait':>9} {'peak GiB':>8}")
-    for r in rows:
-        if "clips_per_s" not in r:
-            print(f"{r['source']:>9}  failed (exit {r['exit']})")
-            continue
-        print(f"{r['source']:>9} {r['grad_accum']:>5} {r['loader_workers']:>7} {r['clips_per_s']:>11.1f} "
-              f"{r['isolated_clips_per_s']:>8.1f} {100 * r['ratio']:>5.0f}% {100 * r['data_wait']:>8.0f}% {r['peak_gib']:>8.1f}")
+    print_table(info, args.cpus, rows)
     name = "smoke" if args.smoke else info["device"].replace(" ", "_")
     write_results(args.out, f"e2e_throughput_{name}.json", {"info": info, "rows": rows})
     if any(r["exit"] != 0 for r in rows):

@@ -1,8 +1,8 @@
 """Throughput of data preparation: teacher clips/s per GPU, decode clips/s per CPU core, shard reads.
 
-    python bench/prepare_throughput.py                     # GPU: HunyuanVideo VAE, eager vs compile, batches 1,2,4
+    python bench/prepare_throughput.py               # GPU: HunyuanVideo VAE, eager vs compile, batches 1,2,4
     python bench/prepare_throughput.py --batches 1,4,8 --modes eager
-    python bench/prepare_throughput.py --smoke             # CPU, tiny sizes, seconds: checks the script runs
+    python bench/prepare_throughput.py --smoke       # CPU, tiny sizes, seconds: checks the script runs
 
 teacher  `Teacher.latents` (the path `jobs.prepare` runs) on uint8 windows already on the device: diffusers'
          AutoencoderKLHunyuanVideo in its default config (246.5 M parameters) with random weights (the cost
@@ -37,19 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._record import run_info, write_results  # noqa: E402
-from trainer.data import ClipSpec, SyntheticClips, VideoFolderClips  # noqa: E402
-from trainer.prepare import (  # noqa: E402
-    FORMAT,
-    SHARD_DIR,
-    Manifest,
-    shard_metadata,
-    shard_path,
-    verify,
-    write_shard,
-)
-from trainer.prepared import PreparedClips  # noqa: E402
-from trainer.shapes import teacher_frame_count  # noqa: E402
-from trainer.teacher import Teacher, load_teacher  # noqa: E402
+from taehv_slurm.trainer.data import ClipSpec, SyntheticClips, VideoFolderClips  # noqa: E402
+from taehv_slurm.trainer.manifest import FORMAT, Manifest  # noqa: E402
+from taehv_slurm.trainer.prepared import PreparedClips  # noqa: E402
+from taehv_slurm.trainer.shapes import teacher_frame_count  # noqa: E402
+from taehv_slurm.trainer.shards import SHARD_DIR, shard_metadata, shard_path, verify, write_shard  # noqa: E402
+from taehv_slurm.trainer.teacher import Teacher, load_teacher  # noqa: E402
 
 GIB = 2**30
 
@@ -62,7 +55,8 @@ def default_hunyuan_vae(device: torch.device) -> torch.nn.Module:
     try:
         from diffusers import AutoencoderKLHunyuanVideo
     except ImportError:
-        sys.exit("error: the teacher benchmark needs diffusers (pip install 'diffusers>=0.32'); or run --smoke")
+        sys.exit("error: the teacher benchmark needs diffusers (pip install 'diffusers>=0.32'); "
+                 "or run --smoke")
     with torch.device(device):  # initialise on the GPU: 246 M parameters at CPU init speed take minutes
         return AutoencoderKLHunyuanVideo()
 
@@ -102,20 +96,24 @@ def bench_teacher(teacher: Teacher, device: torch.device, args: argparse.Namespa
         else:
             sys.exit(f"error: --modes takes eager and/or compile, got {mode!r}")
         for batch in map(int, args.batches.split(",")):
-            row: dict[str, Any] = {"section": "teacher", "mode": mode, "batch": batch, "dtype": str(teacher_dtype(teacher)),
-                                   "window_frames": args.window_frames, "teacher_frames": teacher_frame_count(args.window_frames),
+            row: dict[str, Any] = {"section": "teacher", "mode": mode, "batch": batch,
+                                   "dtype": str(teacher_dtype(teacher)),
+                                   "window_frames": args.window_frames,
+                                   "teacher_frames": teacher_frame_count(args.window_frames),
                                    "height": args.height, "width": args.width}
-            frames = torch.randint(0, 256, (batch, args.window_frames, 3, args.height, args.width), dtype=torch.uint8,
-                                   device=device)
+            frames = torch.randint(0, 256, (batch, args.window_frames, 3, args.height, args.width),
+                                   dtype=torch.uint8, device=device)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                per_call, first = time_calls(lambda frames=frames: teacher.latents(frames), device, args.warmup, args.iters)
+                per_call, first = time_calls(lambda frames=frames: teacher.latents(frames), device,
+                                             args.warmup, args.iters)
             except torch.OutOfMemoryError:
                 row["error"] = "out of memory"
             except Exception as err:  # e.g. a compiler failure: record it, measure the rest
-                row["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:200]
+                row["error"] = (f"{type(err).__name__}: "
+                                f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}")[:200]
             else:
                 row.update(seconds_per_batch=per_call, first_call_s=first, clips_per_s=batch / per_call)
             if device.type == "cuda":
@@ -149,7 +147,8 @@ def write_h264(path: Path, frames: np.ndarray, fps: int = 24, gop: int = 12) -> 
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.codec_context.gop_size = gop
         for k, frame in enumerate(frames):
-            video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame.transpose(1, 2, 0)), format="rgb24")
+            video_frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(frame.transpose(1, 2, 0)),
+                                                     format="rgb24")
             video_frame.pts, video_frame.time_base = k, Fraction(1, fps)
             out.mux(stream.encode(video_frame))
         out.mux(stream.encode(None))
@@ -159,7 +158,8 @@ def write_h264(path: Path, frames: np.ndarray, fps: int = 24, gop: int = 12) -> 
 def bench_decode(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     videos = folder / "videos"
     videos.mkdir()
-    scenes = SyntheticClips(args.decode_videos, ClipSpec(args.decode_video_frames, args.decode_height, args.decode_width), seed=1)
+    scenes = SyntheticClips(args.decode_videos,
+                            ClipSpec(args.decode_video_frames, args.decode_height, args.decode_width), seed=1)
     codec = ""
     for i in range(args.decode_videos):
         codec = write_h264(videos / f"scene{i}.mp4", scenes[i]["frames"].numpy())
@@ -186,10 +186,12 @@ def bench_read(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     (out / SHARD_DIR).mkdir(parents=True)
     t, h, w = args.read_frames, args.read_height, args.read_width
     n, per_shard = args.read_clips, args.read_shard_size
-    settings = {"data": str(folder / "none"), "frames": t, "height": h, "width": w, "stride": t, "shard_size": per_shard,
+    settings = {"data": str(folder / "none"), "frames": t, "height": h, "width": w, "stride": t,
+                "shard_size": per_shard,
                 "teacher_kind": "hunyuanvideo", "teacher_path": "random", "scaling_factor": None, "seed": 0}
     video = {"num_frames": n * t, "rate": "24", "time_base": "1/24", "start_pts": 0, "counted_by": "header"}
-    manifest = Manifest(settings, {"synthetic.mp4": video}, [("synthetic.mp4", i * t) for i in range(n)], created=time.time())
+    manifest = Manifest(settings, {"synthetic.mp4": video}, [("synthetic.mp4", i * t) for i in range(n)],
+                        created=time.time())
     manifest.write(out)
     generator = torch.Generator().manual_seed(0)
     for shard in range(manifest.num_shards):
@@ -197,7 +199,8 @@ def bench_read(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         frames = torch.randint(0, 256, (len(ids), t, 3, h, w), dtype=torch.uint8, generator=generator)
         latents = torch.randn((len(ids), t // 4, 16, h // 8, w // 8), generator=generator).bfloat16()
         write_shard(shard_path(out, shard), {"frames": frames, "latents": latents},
-                    shard_metadata(shard, ids, [manifest.windows[i] for i in ids], [], (t, h, w), 0.0, rank=0, job_id="bench"))
+                    shard_metadata(shard, ids, [manifest.windows[i] for i in ids], [], (t, h, w), 0.0, rank=0,
+                                   job_id="bench"))
     report = verify(out)
     assert report.ok, report.table()
     data = PreparedClips(out, ClipSpec(t, h, w))
@@ -220,16 +223,19 @@ def bench_read(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, the tiny random teacher: runs in seconds")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, tiny sizes, the tiny random teacher: runs in seconds")
     p.add_argument("--modes", default="eager,compile", help="teacher variants: eager and/or compile")
     p.add_argument("--batches", default="1,2,4", help="clips per teacher call")
-    p.add_argument("--window-frames", type=int, default=16, help="window length; the teacher encodes the first 4L−3 (16 → 13)")
+    p.add_argument("--window-frames", type=int, default=16,
+                   help="window length; the teacher encodes the first 4L−3 (16 → 13)")
     p.add_argument("--height", type=int, default=480)
     p.add_argument("--width", type=int, default=720)
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per setting (the first compiles)")
     p.add_argument("--iters", type=int, default=10, help="timed calls per setting")
     p.add_argument("--skip", default="", help="sections to skip: teacher, decode, read (comma-separated)")
-    p.add_argument("--out", help="JSON file for the results (default bench/results/prepare_throughput_<device>.json)")
+    p.add_argument("--out",
+                   help="JSON file for the results (default bench/results/prepare_throughput_<device>.json)")
     args = p.parse_args(argv)
     args.decode_videos, args.decode_video_frames, args.decode_rounds = 3, 48, 2
     args.decode_frames, args.decode_height, args.decode_width = 12, 480, 720
@@ -250,14 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     on_gpu = not args.smoke
     if on_gpu and not torch.cuda.is_available() and "teacher" not in skip:
-        sys.exit("error: the teacher benchmark needs a CUDA GPU; run --smoke for the CPU check, or --skip teacher")
+        sys.exit("error: the teacher benchmark needs a CUDA GPU; run --smoke for the CPU check, "
+                 "or --skip teacher")
     device = torch.device("cuda", 0) if on_gpu and torch.cuda.is_available() else torch.device("cpu")
     info = run_info(on_gpu=device.type == "cuda", smoke=args.smoke)
     rows: list[dict[str, Any]] = []
     if "teacher" not in skip:
-        if args.smoke:  # the tiny random-weight teacher; the default-config VAE only built on meta (no memory)
+        # the tiny random-weight teacher; the default-config VAE only built on meta (no memory)
+        if args.smoke:
             teacher = load_teacher("hunyuanvideo", "random:tiny")
-            info["default_vae_parameters"] = sum(p.numel() for p in default_hunyuan_vae(torch.device("meta")).parameters())
+            info["default_vae_parameters"] = sum(p.numel() for p in
+                                                 default_hunyuan_vae(torch.device("meta")).parameters())
         else:
             torch.backends.cudnn.benchmark = True  # fixed shapes per setting: what jobs.prepare does too
             vae = default_hunyuan_vae(device)

@@ -27,9 +27,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._record import run_info, write_results  # noqa: E402
-from trainer.engine import Microbatch, make_engine  # noqa: E402
-from trainer.losses import DistillModule  # noqa: E402
-from trainer.model import FAST_PATHS, TAEHV, TAEHVConfig, conv_flops_per_clip  # noqa: E402
+from taehv_slurm.trainer.engine import Microbatch, make_engine  # noqa: E402
+from taehv_slurm.trainer.layers import FAST_PATHS  # noqa: E402
+from taehv_slurm.trainer.losses import DistillModule  # noqa: E402
+from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, conv_flops_per_clip  # noqa: E402
 
 VARIANTS = {
     # name: (channels_last, compile mode or None)
@@ -63,7 +64,8 @@ def bf16_peak_tflops(device: torch.device) -> float:
     return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def measure(variant: str, engine_kind: str, batch: int, args: argparse.Namespace, device: torch.device) -> dict:
+def measure(variant: str, engine_kind: str, batch: int, args: argparse.Namespace,
+            device: torch.device) -> dict:
     channels_last, compile_mode = VARIANTS[variant]
     torch.manual_seed(0)
     cfg = TAEHVConfig()
@@ -76,7 +78,8 @@ def measure(variant: str, engine_kind: str, batch: int, args: argparse.Namespace
                          per_gpu_batch=batch, grad_accum=1)
     if compile_mode and engine_kind == "allreduce":
         engine.forward = torch.compile(module, mode=compile_mode)
-    frames = torch.randint(0, 256, (batch, args.frames, 3, args.height, args.width), dtype=torch.uint8, device=device)
+    frames = torch.randint(0, 256, (batch, args.frames, 3, args.height, args.width), dtype=torch.uint8,
+                           device=device)
     latents = torch.randn(batch, args.frames // 4, 16, args.height // 8, args.width // 8, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     if device.type == "cuda":
@@ -116,11 +119,13 @@ def profile(variant: str, batch: int, args: argparse.Namespace, device: torch.de
     if channels_last:
         student.to(memory_format=torch.channels_last)
     module = DistillModule(student)
-    engine = make_engine("allreduce", module, device, precision="bf16", grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95),
-                         weight_decay=0.01, compile=False, per_gpu_batch=batch, grad_accum=1)
+    engine = make_engine("allreduce", module, device, precision="bf16", grad_clip=1.0, lr=1e-4,
+                         betas=(0.9, 0.95), weight_decay=0.01, compile=False, per_gpu_batch=batch,
+                         grad_accum=1)
     if compile_mode:
         engine.forward = torch.compile(module, mode=compile_mode)
-    frames = torch.randint(0, 256, (batch, args.frames, 3, args.height, args.width), dtype=torch.uint8, device=device)
+    frames = torch.randint(0, 256, (batch, args.frames, 3, args.height, args.width), dtype=torch.uint8,
+                           device=device)
     latents = torch.randn(batch, args.frames // 4, 16, args.height // 8, args.width // 8, device=device)
     step = [Microbatch(frames, latents, 1.0)]
     for _ in range(2):
@@ -135,7 +140,8 @@ def profile(variant: str, batch: int, args: argparse.Namespace, device: torch.de
     print("aten ops by CUDA time, with input shapes:")
     ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
     for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top]:
-        print(f"{e.self_device_time_total / 1e3:9.1f} ms  {e.count:4d}x  {e.key:34s} {str(e.input_shapes)[:110]}")
+        print(f"{e.self_device_time_total / 1e3:9.1f} ms  {e.count:4d}x  {e.key:34s} "
+              f"{str(e.input_shapes)[:110]}")
 
 
 def worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str) -> None:
@@ -158,12 +164,14 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str)
     dist.destroy_process_group()
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line, with --smoke's tiny sizes applied."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default="eager,eager_cl,compile_cl")
     p.add_argument("--batch", default="4,8")
     p.add_argument("--gpus", type=int, default=1, help="world size for the engine comparison (spawned here)")
-    p.add_argument("--engines", default="allreduce", help="with --gpus > 1 or alone: allreduce,zero1,zero2,zero3")
+    p.add_argument("--engines", default="allreduce",
+                   help="with --gpus > 1 or alone: allreduce,zero1,zero2,zero3")
     p.add_argument("--multi-variant", default="compile_cl", help="model variant used in the multi-GPU runs")
     p.add_argument("--frames", type=int, default=12)
     p.add_argument("--height", type=int, default=480)
@@ -172,16 +180,71 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="CPU, 8×32×32 clips, eager only")
-    p.add_argument("--profile", default=None, metavar="VARIANT:BATCH", help="print the top CUDA kernels of one setting")
+    p.add_argument("--profile", default=None, metavar="VARIANT:BATCH",
+                   help="print the top CUDA kernels of one setting")
     p.add_argument("--fast", default=",".join(k for k, on in FAST_PATHS.items() if on),
                    help="model fast paths to enable (comma list, or 'none'); default: the model's defaults")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    for name in FAST_PATHS:
-        FAST_PATHS[name] = name in args.fast.split(",")
     if args.smoke:
         args.frames, args.height, args.width, args.batch, args.variants = 8, 32, 32, "2", "eager"
         args.warmup, args.steps, args.repeats = 1, 1, 1
+    return args
+
+
+def measure_one_gpu(args: argparse.Namespace, device: torch.device, on_gpu: bool) -> list[dict]:
+    """Every variant × engine × batch on `device`, in this process; out of memory is a row, not a failure."""
+    if any(e != "allreduce" for e in args.engines.split(",")):
+        # DeepSpeed needs a process group (and the launcher's variables) even for one rank
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        dist.init_process_group("nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    rows = []
+    for variant in args.variants.split(","):
+        for engine_kind in args.engines.split(","):
+            for batch in map(int, args.batch.split(",")):
+                try:
+                    row = measure(variant, engine_kind, batch, args, device)
+                except torch.OutOfMemoryError:
+                    row = {"variant": variant, "engine": engine_kind, "batch": batch,
+                           "error": "out of memory"}
+                    torch.cuda.empty_cache()
+                row["gpus"] = 1
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def measure_many_gpus(args: argparse.Namespace) -> list[dict]:
+    """--multi-variant with each engine and batch on --gpus spawned ranks; rank 0's rows."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        port = 29000 + os.getpid() % 1000
+        mp.spawn(worker, args=(args.gpus, args, port, tmp.name), nprocs=args.gpus, join=True)
+        return json.loads(Path(tmp.name).read_text())
+
+
+def print_table(info: dict, flops: float, peak: float, rows: list[dict]) -> None:
+    """The rows as a table on stdout, under the device, versions and the FLOP figures MFU is computed from."""
+    print(f"\n{info['device']}, torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}; "
+          f"{flops / 1e12:.2f} TFLOP per training clip; bf16 matmul {peak:.0f} TFLOP/s")
+    print(f"{'gpus':>4} {'engine':>6} {'variant':>22} {'batch':>5} {'clips/s/GPU':>11} {'peak GiB':>8} "
+          f"{'MFU':>5}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['gpus']:>4} {r['engine']:>6} {r['variant']:>22} {r['batch']:>5} {r['error']:>11}")
+        else:
+            mfu = f"{100 * r['mfu']:.0f}%" if r.get("mfu") else "-"
+            print(f"{r['gpus']:>4} {r['engine']:>6} {r['variant']:>22} {r['batch']:>5} "
+                  f"{r['clips_per_s_per_gpu']:>11.1f} {r['peak_gib']:>8.1f} {mfu:>5}")
+
+
+def main() -> None:
+    args = parse_args()
+    for name in FAST_PATHS:
+        FAST_PATHS[name] = name in args.fast.split(",")
     on_gpu = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if on_gpu:
@@ -191,48 +254,14 @@ def main() -> None:
     info = run_info(on_gpu, clip=[args.frames, args.height, args.width], train_tflop_per_clip=flops / 1e12,
                     bf16_matmul_tflops=peak, fast_paths=dict(FAST_PATHS))
     print(json.dumps(info), flush=True)
-    rows = []
-    if args.gpus == 1 and any(e != "allreduce" for e in args.engines.split(",")):
-        # DeepSpeed needs a process group (and the launcher's variables) even for one rank
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        dist.init_process_group("nccl" if on_gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    if args.gpus == 1:
-        for variant in args.variants.split(","):
-            for engine_kind in args.engines.split(","):
-                for batch in map(int, args.batch.split(",")):
-                    try:
-                        row = measure(variant, engine_kind, batch, args, device)
-                    except torch.OutOfMemoryError:
-                        row = {"variant": variant, "engine": engine_kind, "batch": batch, "error": "out of memory"}
-                        torch.cuda.empty_cache()
-                    row["gpus"] = 1
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-    else:
-        import tempfile
-
-        import torch.multiprocessing as mp
-
-        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            port = 29000 + os.getpid() % 1000
-            mp.spawn(worker, args=(args.gpus, args, port, tmp.name), nprocs=args.gpus, join=True)
-            rows = json.loads(Path(tmp.name).read_text())
+    rows = measure_one_gpu(args, device, on_gpu) if args.gpus == 1 else measure_many_gpus(args)
     if args.profile and on_gpu:
         variant, batch = args.profile.split(":")
         profile(variant, int(batch), args, device)
     for row in rows:
         if "clips_per_s_per_gpu" in row:
             row["mfu"] = row["clips_per_s_per_gpu"] * flops / 1e12 / peak if on_gpu else None
-    print(f"\n{info['device']}, torch {info['torch']}, CUDA {info['cuda']}, NCCL {info['nccl']}; "
-          f"{flops / 1e12:.2f} TFLOP per training clip; bf16 matmul {peak:.0f} TFLOP/s")
-    print(f"{'gpus':>4} {'engine':>6} {'variant':>22} {'batch':>5} {'clips/s/GPU':>11} {'peak GiB':>8} {'MFU':>5}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['gpus']:>4} {r['engine']:>6} {r['variant']:>22} {r['batch']:>5} {r['error']:>11}")
-        else:
-            mfu = f"{100 * r['mfu']:.0f}%" if r.get("mfu") else "-"
-            print(f"{r['gpus']:>4} {r['engine']:>6} {r['variant']:>22} {r['batch']:>5} {r['clips_per_s_per_gpu']:>11.1f} "
-                  f"{r['peak_gib']:>8.1f} {mfu:>5}")
+    print_table(info, flops, peak, rows)
     name = "smoke" if args.smoke else info["device"].replace(" ", "_")
     write_results(args.out, f"train_throughput_{name}_{args.gpus}gpu.json", {"info": info, "rows": rows})
 

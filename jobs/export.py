@@ -1,45 +1,6 @@
-"""Export a trained TAEHV in the published weight layout (.pth or .safetensors), plus `<out>.json`.
+"""`python -m jobs.export` from a checkout: the same as `taehv export` (taehv_slurm/cli/export.py)."""
 
-    python -m jobs.export runs/run1 --out taehv.safetensors          # the run's latest checkpoint
-    python -m jobs.export runs/run1/checkpoints/step_00004000 --out taehv.pth --dtype fp32
-    python -m jobs.export run1 --out taehv.pth --job-dir runs         # a run name under the job_dir
-
-Load it with the published taehv.py (`TAEHV(checkpoint_path="taehv.pth")`) or
-`trainer.model.load_published_weights`.
-"""
-
-from __future__ import annotations
-
-import argparse
-import sys
-from pathlib import Path
-
-from jobs._cli import add_job_dir, one_line_errors
-from trainer.export import DTYPES, ExportError, export_weights
-
-
-@one_line_errors
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jobs.export", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("source", metavar="RUN_OR_CHECKPOINT",
-                   help="a run folder, a checkpoints/step_N folder (or its state.pt), or a run name under --job-dir")
-    p.add_argument("--out", required=True, help="the weight file to write: NAME.pth or NAME.safetensors")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp16", help="stored dtype (default fp16, as the published demo runs)")
-    add_job_dir(p)
-    args = p.parse_args(argv)
-    source = Path(args.source)
-    if not source.exists() and (Path(args.job_dir) / args.source).exists():
-        source = Path(args.job_dir) / args.source  # a run name, e.g. `run1` or `lr-sweep/lr=0.0001`
-    try:
-        done = export_weights(source, args.out, args.dtype)
-    except ExportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"exported step {done.step} ({done.tensors} tensors, {done.parameters / 1e6:.2f} M parameters, {done.dtype}) "
-          f"to {done.weights}\nsidecar (config, step, sha256): {done.sidecar}")
-    return 0
-
+from taehv_slurm.cli import run_checkout_module
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_checkout_module("export")

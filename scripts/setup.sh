@@ -8,13 +8,13 @@ PY=${PYTHON:-python3}
 export DEBIAN_FRONTEND=noninteractive
 apt-get update
 apt-get install -y --no-install-recommends slurm-wlm munge slurmdbd mariadb-server mariadb-client util-linux procps
-id -u taehvtest >/dev/null 2>&1 || useradd -m taehvtest  # unprivileged user for tests/test_security.py
+id -u taehvtest >/dev/null 2>&1 || useradd -m taehvtest  # unprivileged user for tests/test_security_*.py
 
 # torch first, pinned: 2.13.0 is a CPU wheel on these machines; anything unpinned pulls a CUDA build.
 $PY -m pip install --upgrade pip setuptools wheel
 $PY -m pip install torch==2.13.0
 # deepspeed ships as an sdist: build it against the torch above, not in an isolated env (that pulls CUDA torch).
 DS_BUILD_OPS=0 $PY -m pip install --no-build-isolation 'deepspeed>=0.19,<0.20'
-$PY -m pip install -e '.[dev]'
+$PY -m pip install --no-build-isolation -e '.[dev,deepspeed]'
 $PY -m ipykernel install --sys-prefix --name python3 >/dev/null
 echo "setup done: run the tests with  $PY -m pytest -q"

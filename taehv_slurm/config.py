@@ -1,24 +1,25 @@
 """Typed configuration: cluster YAML → `ClusterConfig`, training YAML → `TrainConfig`.
 
-Every problem with a config is a `ConfigError` whose message is one line naming the file, the key and
-the fix — never a traceback from deep inside. Values come from YAML, from a dict, or from
-`--set key=value` overrides (dotted keys for nested sections, values parsed as YAML).
+The schemas and their validation live here; reading them (YAML or a dict, `--set key=value`
+overrides, every problem as one `ConfigError` line naming the file or flag and the fix) is
+taehv_slurm.typed_yaml's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
+import importlib.util
 import os
 import re
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
-import yaml
+from taehv_slurm.typed_yaml import ConfigError, load_typed
 
 # sbatch --signal: "the signal may be sent up to 60 seconds earlier than specified" (slurmctld checks
 # time limits periodically).
@@ -29,17 +30,19 @@ SIGNAL_DELAY_MIN_S = 30
 
 # Env names treated as secrets even when not listed in secret_env: *TOKEN*, *SECRET*, *PASSWORD*, *_PASS,
 # *APIKEY*, *API_KEY*, *ACCESS_KEY*, *PRIVATE_KEY*, *CREDENTIAL*, and names ending in KEY (WANDB_KEY).
-_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|(^|_)PASS$|API_?KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL|(^|_)KEY$)", re.I)
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|(^|_)PASS$|API_?KEY|ACCESS_KEY|PRIVATE_KEY"
+                          r"|CREDENTIAL|(^|_)KEY$)", re.I)
 
 
-# What the data and teacher settings accept (checked here, used by the trainer, preflight and jobs.prepare).
+# What the data and teacher settings accept (checked here, used by the trainer, preflight and taehv prepare).
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
 TeacherKind = Literal["none", "hunyuanvideo", "cogvideox", "wan"]
-TEACHER_KINDS: tuple[str, ...] = typing.get_args(TeacherKind)[1:]  # the video VAEs (none: latents from shards)
+# the video VAEs (none: latents from shards)
+TEACHER_KINDS: tuple[str, ...] = typing.get_args(TeacherKind)[1:]
 
 
-class ConfigError(ValueError):
-    """A configuration problem; the message is one line that names the problem and the fix."""
+# Backends whose jobs run on the submitting machine (one node); the others are cluster schedulers.
+MACHINE_BACKENDS = frozenset({"local", "debug"})
 
 
 # ----------------------------------------------------------------------------------------- cluster
@@ -62,6 +65,17 @@ class RuntimeSettings:
     def of(cls, value: RuntimeSettings | Mapping[str, Any] | None) -> RuntimeSettings:
         """Settings as given, or built from a mapping of the same fields (e.g. read from JSON)."""
         return value if isinstance(value, RuntimeSettings) else cls(**dict(value or {}))
+
+
+def missing_engine_package(engine: str) -> str | None:
+    """One line naming how to install what the engine needs when this interpreter lacks it, else None:
+    the ZeRO engines need DeepSpeed, an optional extra (the default all-reduce engine needs none)."""
+    if not engine.startswith("zero") or importlib.util.find_spec("deepspeed") is not None:
+        return None
+    return (f"engine {engine} needs DeepSpeed, which is not installed here: after torch, run pip install "
+            "--no-build-isolation 'taehv-slurm[deepspeed]' (DeepSpeed builds from source), "
+            "or set engine.kind: "
+            "allreduce")
 
 
 def gpus_here() -> int:
@@ -101,7 +115,8 @@ class ClusterConfig:
     secret_env: list[str] = field(default_factory=list)  # env names never written anywhere
     srun_args: list[str] = field(default_factory=lambda: ["--kill-on-bad-exit=1"])
     sbatch_args: dict[str, str] = field(default_factory=dict)  # extra #SBATCH flags, e.g. mail-type
-    array_parallelism: int = 4  # a sweep's runs at once on Slurm (sbatch --array=0-N%4); the rest wait in the queue
+    # a sweep's runs at once on Slurm (sbatch --array=0-N%4); the rest wait in the queue
+    array_parallelism: int = 4
     job_dir: str = "runs"  # run folders and the job registry; must be on a filesystem all nodes share
     python: str | None = None  # command that starts python on the nodes; default: this interpreter
     device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda where the nodes have GPUs
@@ -131,7 +146,7 @@ class ClusterConfig:
         local and debug backends, when THIS machine has them."""
         if self.device != "auto":
             return self.device
-        if self.backend != "slurm" and not gpus_here():
+        if self.backend in MACHINE_BACKENDS and not gpus_here():
             return "cpu"
         return "cuda" if self.gpus_per_node > 0 else "cpu"
 
@@ -140,7 +155,8 @@ class ClusterConfig:
         return RuntimeSettings(device=device or self.device, dist_backend=self.dist_backend,
                                rendezvous_timeout_s=self.rendezvous_timeout_s,
                                collective_timeout_s=self.collective_timeout_s,
-                               torch_threads=self.torch_threads or self.cpus_per_task, gpu_memory_gb=self.gpu_memory_gb,
+                               torch_threads=self.torch_threads or self.cpus_per_task,
+                               gpu_memory_gb=self.gpu_memory_gb,
                                cpus_per_task=self.cpus_per_task)
 
     def secret_names(self) -> set[str]:
@@ -175,30 +191,34 @@ class ClusterConfig:
             )
         _check(self.cpus_per_task >= 1, source, f"cpus_per_task must be ≥ 1, got {self.cpus_per_task}")
         _check(self.time_min >= 1, source, f"time_min must be ≥ 1, got {self.time_min}")
-        _check(self.array_parallelism >= 1, source, f"array_parallelism must be ≥ 1, got {self.array_parallelism} "
+        _check(self.array_parallelism >= 1, source,
+               f"array_parallelism must be ≥ 1, got {self.array_parallelism} "
                "(how many runs of a sweep may run at once)")
         _check(self.signal_delay_s >= SIGNAL_DELAY_MIN_S, source,
-               f"signal_delay_s={self.signal_delay_s} is below the minimum of {SIGNAL_DELAY_MIN_S} s: the time-limit "
-               "warning (USR2) must leave time to reach a step boundary, save and requeue; set signal_delay_s: "
+               f"signal_delay_s={self.signal_delay_s} is below the minimum of {SIGNAL_DELAY_MIN_S} s: "
+               "the time-limit warning (USR2) must leave time to reach a step boundary, save and requeue; "
+               "set signal_delay_s: "
                f"{SIGNAL_DELAY_MIN_S} or more (README: what a site must configure)")
         _check(
             self.signal_delay_s + SLURM_SIGNAL_EARLY_S < self.time_min * 60,
             source,
-            f"time_min={self.time_min} leaves no time to train with signal_delay_s={self.signal_delay_s}: Slurm sends "
-            f"the time-limit warning up to {SLURM_SIGNAL_EARLY_S} s before that, so it could come as the job starts, "
+            f"time_min={self.time_min} leaves no time to train with signal_delay_s={self.signal_delay_s}: "
+            f"Slurm sends the time-limit warning up to {SLURM_SIGNAL_EARLY_S} s before that, so it could "
+            "come as the job starts, "
             f"every time; raise time_min above {(self.signal_delay_s + SLURM_SIGNAL_EARLY_S) // 60} or lower "
             "signal_delay_s",
         )
         _check(self.max_requeues >= 0, source, f"max_requeues must be ≥ 0, got {self.max_requeues}")
         _check(self.rendezvous_timeout_s >= 1, source, "rendezvous_timeout_s must be ≥ 1")
         _check(self.mem_gb is None or self.mem_gb > 0, source, f"mem_gb must be > 0, got {self.mem_gb}")
-        if self.backend != "slurm" and self.nodes > 1:
+        if self.backend in MACHINE_BACKENDS and self.nodes > 1:
             raise ConfigError(
                 f"{source}: backend '{self.backend}' runs on this machine only, but nodes={self.nodes}; "
                 "set nodes: 1 or backend: slurm"
             )
         for name in self.env:
-            _check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is not None, source, f"env name {name!r} is not a valid variable name")
+            _check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is not None, source,
+                   f"env name {name!r} is not a valid variable name")
         return self
 
 
@@ -229,7 +249,7 @@ class ModelConfig:
 
 @dataclass
 class TeacherConfig:
-    # Where the distillation targets come from: latents stored by `jobs.prepare` ("prepared"), or a
+    # Where the distillation targets come from: latents stored by `taehv prepare` ("prepared"), or a
     # diffusers VAE run on the fly from a local folder (slow: ~5x the student's step; tests and small runs).
     kind: TeacherKind = "none"
     path: str | None = None
@@ -271,9 +291,9 @@ class EngineConfig:
     kind: Literal["auto", "allreduce", "ddp", "zero1", "zero2", "zero3"] = "auto"
     precision: Literal["bf16", "fp32"] = "bf16"
     compile: bool = True  # torch.compile the model (CUDA only)
-    # torch.compile mode for the allreduce engine: CUDA graphs ("reduce-overhead") measured fastest and correct at
-    # any accumulation (docs/benchmarks.md); DeepSpeed engines always compile in "default" mode. Not
-    # offered: max-autotune, whose autotuning had not finished after 6 minutes even at 128×192 clips and
+    # torch.compile mode for the allreduce engine: CUDA graphs ("reduce-overhead") measured fastest and
+    # correct at any accumulation (docs/benchmarks.md); DeepSpeed engines always compile in "default" mode.
+    # Not offered: max-autotune, whose autotuning had not finished after 6 minutes even at 128×192 clips and
     # kept cuDNN for every large convolution anyway.
     compile_mode: Literal["default", "reduce-overhead"] = "reduce-overhead"
     channels_last: bool = True  # (CUDA only)
@@ -314,7 +334,8 @@ class TrainConfig:
         if self.engine.kind == "ddp":
             self.engine.kind = "allreduce"
         _check(self.steps >= 1, source, f"steps must be ≥ 1, got {self.steps}")
-        _check(d.frames >= 4 and d.frames % 4 == 0, source, f"data.frames must be a multiple of 4 (≥ 4), got {d.frames}")
+        _check(d.frames >= 4 and d.frames % 4 == 0, source,
+               f"data.frames must be a multiple of 4 (≥ 4), got {d.frames}")
         _check(d.height % 8 == 0 and d.width % 8 == 0 and d.height > 0 and d.width > 0, source,
                f"data.height and data.width must be positive multiples of 8, got {d.height}×{d.width}")
         if d.source in ("video", "prepared"):
@@ -342,62 +363,14 @@ def load_cluster(path_or_dict: str | os.PathLike | Mapping[str, Any] | None = No
     An error names where the bad value came from: the file, or the override that made a valid config
     invalid — as `origins[key]` says it was given (e.g. '--nodes 0'), else 'override key=value'.
     """
-    return _load(ClusterConfig, path_or_dict, "cluster config", overrides, origins)
+    return load_typed(ClusterConfig, path_or_dict, "cluster config", overrides, origins, shipped_config)
 
 
 def load_train(path_or_dict: str | os.PathLike | Mapping[str, Any] | None = None, *,
                origins: Mapping[str, str] | None = None, **overrides: Any) -> TrainConfig:
     """Load a training config from YAML (or a dict), apply overrides (dotted keys allowed), validate;
     errors as `load_cluster` names them."""
-    return _load(TrainConfig, path_or_dict, "train config", overrides, origins)
-
-
-def _load(cls: type, path_or_dict: Any, kind: str, overrides: Mapping[str, Any], origins: Mapping[str, str] | None) -> Any:
-    data, source = _read(path_or_dict, kind)
-
-    def attempt(data: dict[str, Any], where: str) -> Any:
-        return _build(cls, data, where).validate(where)
-
-    try:
-        return attempt(_apply_overrides(data, overrides), source)
-    except ConfigError:
-        if not overrides:
-            raise
-    # Invalid with the overrides: blame the override that broke the config for the last time (applied
-    # in order; one that repairs the file, e.g. --set data.path=..., is welcome), else the file itself.
-    steps = [(None, data)]
-    for key, value in overrides.items():
-        steps.append((key, _apply_overrides(steps[-1][1], {key: value})))
-    culprit = None
-    for (_, before), (key, after) in zip(steps, steps[1:]):
-        if _valid(cls, before) and not _valid(cls, after):
-            culprit = key
-    if culprit is None:
-        return attempt(steps[-1][1], source)  # raises: the file's own error
-    state = next(after for key, after in steps if key == culprit)
-    return attempt(state, (origins or {}).get(culprit) or f"override {culprit}={overrides[culprit]!r}")  # raises
-
-
-def _valid(cls: type, data: dict[str, Any]) -> bool:
-    try:
-        _build(cls, data, "").validate("")
-    except ConfigError:
-        return False
-    return True
-
-
-def parse_set_args(items: list[str] | None) -> dict[str, Any]:
-    """`["nodes=2", "env.NCCL_DEBUG=INFO"]` → {"nodes": 2, "env.NCCL_DEBUG": "INFO"} (values as YAML)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set nodes=2")
-        try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
-            out[key.strip()] = raw
-    return out
+    return load_typed(TrainConfig, path_or_dict, "train config", overrides, origins, shipped_config)
 
 
 def split_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -413,144 +386,24 @@ def split_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[
             train[key] = value
         else:
             close = difflib.get_close_matches(head, list(cluster_keys | train_keys), n=1, cutoff=0.6)
-            hint = f" (did you mean '{close[0]}'?)" if close else " (keys: see the cluster and train configs in configs/)"
+            hint = (f" (did you mean '{close[0]}'?)" if close
+                    else " (keys: see the cluster and train configs in configs/)")
             raise ConfigError(f"--set {key}={value}: unknown key '{head}'{hint}")
     return cluster, train
 
 
 def shipped_config(path: str | os.PathLike) -> Path | None:
-    """`configs/...` as installed with the package (a wheel carries the example configs), for a relative
-    path that does not exist from here; None when there is no such shipped file."""
+    """`configs/...` as shipped with the package (package data of taehv_slurm.configs, or the checkout's
+    configs/ folder), for a relative path that does not exist from here; None when there is no such file."""
     parts = Path(path).parts
     if Path(path).is_absolute() or len(parts) < 2 or parts[0] != "configs":
         return None
     try:
-        import configs
-    except ImportError:
-        return None
-    candidate = Path(configs.__file__).parent.joinpath(*parts[1:])
+        root = Path(str(importlib.resources.files("taehv_slurm.configs")))
+    except ModuleNotFoundError:  # a checkout on PYTHONPATH, not installed: configs/ beside the package
+        root = Path(__file__).resolve().parents[1] / "configs"
+    candidate = root.joinpath(*parts[1:])
     return candidate if candidate.is_file() else None
-
-
-def _read(path_or_dict: Any, kind: str) -> tuple[dict[str, Any], str]:
-    if path_or_dict is None:
-        return {}, kind
-    if isinstance(path_or_dict, Mapping):
-        return dict(path_or_dict), kind
-    path = Path(path_or_dict)
-    if not path.is_file():
-        path = shipped_config(path) or path
-    if not path.is_file():
-        raise ConfigError(f"{kind} {path} not found: check the path (configs/cluster/ and configs/train/ hold examples)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{path}: malformed YAML{where}: {problem}; fix the syntax there") from None
-    if data is None:
-        return {}, str(path)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of key: value at the top level, got {type(data).__name__}")
-    return data, str(path)
-
-
-def _apply_overrides(data: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    data = _deep_copy(data)
-    for dotted, value in overrides.items():
-        node = data
-        *parents, last = dotted.split(".")
-        for part in parents:
-            child = node.get(part)
-            if not isinstance(child, dict):
-                child = {}
-                node[part] = child
-            node = child
-        node[last] = value
-    return data
-
-
-def _deep_copy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _deep_copy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_deep_copy(v) for v in data]
-    return data
-
-
-def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str = "") -> Any:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: '{prefix.rstrip('.')}' must be a mapping of key: value, got {data!r}")
-    if not prefix and (unknown := _unknown_keys(cls, data)):  # every one at once, not one per run
-        raise ConfigError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
-    hints = typing.get_type_hints(cls)
-    return cls(**{key: _coerce(value, hints[key], source, f"{prefix}{key}") for key, value in data.items()})
-
-
-def _unknown_keys(cls: type, data: Any, prefix: str = "") -> list[str]:
-    """Every key of `data`, nested sections included, that `cls` does not have, each with what was
-    probably meant ('optim.lrr' (did you mean 'optim.lr'?)) or the section's keys."""
-    if not isinstance(data, Mapping):
-        return []
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    found = []
-    for key, value in data.items():
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            found.append(f"'{prefix}{key}' " + (f"(did you mean '{prefix}{close[0]}'?)" if close
-                                                 else f"(keys{' of ' + prefix.rstrip('.') if prefix else ''}: "
-                                                      f"{', '.join(sorted(names))})"))
-        elif dataclasses.is_dataclass(hints[key]):
-            found += _unknown_keys(hints[key], value, f"{prefix}{key}.")
-    return found
-
-
-def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value if value is not None else {}, source, f"{key}.")
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], source, key)
-    if origin is Literal:
-        if value not in args:
-            choices = ", ".join(map(str, args))
-            raise ConfigError(f"{source}: '{key}' must be one of {choices}; got {value!r}")
-        return value
-    if origin in (list, tuple):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{source}: '{key}' must be a list, got {value!r}")
-        return [_coerce(v, args[0], source, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{source}: '{key}' must be a mapping, got {value!r}")
-        return {str(k): _coerce(v, args[1], source, f"{key}.{k}") for k, v in value.items()}
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{source}: '{key}' must be true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{source}: '{key}' must be an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads "2e-4" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{source}: '{key}' must be a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if isinstance(value, bool) or value is None or isinstance(value, list | dict):
-            raise ConfigError(f"{source}: '{key}' must be a string, got {value!r}")
-        return str(value)
-    return value
 
 
 def _check(ok: bool, source: str, message: str) -> None:

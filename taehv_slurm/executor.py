@@ -7,26 +7,81 @@ the GPUs of a node; USR2 `signal_delay_s` before the time limit so the job can s
 
 from __future__ import annotations
 
+import os
 import shlex
+import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import submitit
 
-from .config import ClusterConfig, gpus_here
-from .distenv import INHERITED_LAUNCHER_VARS
-from .local import LocalExecutor
-from .slurm import NO_SLURM_HINT, SCONTROL_ENV, says_no_slurm
-from .submitit_api import convert_mem, make_sbatch_string
+from taehv_slurm.backends import backend_named
+from taehv_slurm.config import ClusterConfig, gpus_here
+from taehv_slurm.runtime import controller
+from taehv_slurm.runtime.distenv import INHERITED_LAUNCHER_VARS
+from taehv_slurm.slurm import NO_SLURM_HINT, SCONTROL_ENV, says_no_slurm
+from taehv_slurm.submitit_api import convert_mem, make_sbatch_string
+
+CONTROLLER_START_S = 120  # the setup lines (module loads, a venv) run before the local controller starts
 
 
 def entry_command(python: str, folder: Path, run_dir: Path | None = None) -> str:
     """Each task's command: our entry point checks who can write the job folder before submitit loads
     its pickle (run_dir: the folder the run owns, checked strictly; default the job folder)."""
-    return " ".join([python, "-u -m taehv_slurm.entry", shlex.quote(str(folder)),
+    return " ".join([python, "-u -m taehv_slurm.runtime.entry", shlex.quote(str(folder)),
                      *([shlex.quote(str(run_dir))] if run_dir is not None else [])])
+
+
+class LocalExecutor(submitit.LocalExecutor):
+    """submitit's LocalExecutor, started under our controller with `command` as each rank's command."""
+
+    def __init__(self, folder: str | Path, command: str, grace_s: float, max_restarts: int,
+                 python: str) -> None:
+        super().__init__(folder, max_num_timeout=max_restarts, python=python)
+        self.command = command
+        self.grace_s = grace_s
+        self.max_restarts = max_restarts
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return self.command
+
+    def _submit_command(self, command: str) -> submitit.LocalJob:
+        ntasks = int(self.parameters.get("tasks_per_node", 1))
+        gpus = int(self.parameters.get("gpus_per_node", 0))
+        environ = {
+            **os.environ,
+            "SUBMITIT_EXECUTOR": "local",
+            "SUBMITIT_LOCAL_NTASKS": str(ntasks),
+            "SUBMITIT_LOCAL_COMMAND": command,
+            "SUBMITIT_LOCAL_TIMEOUT_S": str(int(60 * float(self.parameters.get("timeout_min", 60)))),
+            "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(int(self.parameters.get("signal_delay_s", 30))),
+            "SUBMITIT_LOCAL_NODEID": "0",
+            "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+            "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus)),
+            "TAEHV_LOCAL_GRACE_S": str(self.grace_s),
+            "TAEHV_LOCAL_MAX_RESTARTS": str(self.max_restarts),
+        }
+        argv = [sys.executable, "-m", "taehv_slurm.runtime.controller", str(self.folder)]
+        setup = list(self.parameters.get("setup", ()))
+        run: list[str] | str = argv
+        if setup:  # exec: the controller keeps the shell's pid, which is the job id
+            run = " && ".join([*setup, "exec " + shlex.join(argv)])
+        with open(self.folder / "local_controller.log", "ab") as log:
+            process = subprocess.Popen(run, shell=bool(setup), env=environ, stdout=log,
+                                       stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        # Returned once the controller has recorded its first state (or has died, e.g. a failing setup
+        # line): from then on its state is known to any process that asks.
+        deadline = time.monotonic() + CONTROLLER_START_S
+        while not controller.state_path(self.folder, str(process.pid)).exists() and process.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return submitit.LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
+                                 tasks=list(range(ntasks)))
 
 
 class SlurmExecutor(submitit.SlurmExecutor):
@@ -46,9 +101,11 @@ def setup_lines(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = No
         env["TAEHV_SHARED_GROUP"] = cluster.group
     # A job submitted from inside a launched process (a notebook under torchrun) must not inherit its rank.
     lines = [f"unset {' '.join(INHERITED_LAUNCHER_VARS)}"]
-    if cluster.backend == "slurm":  # found before the setup lines run: one that replaces PATH cannot hide it
+    # found before the setup lines: PATH cannot hide it
+    if backend_named(cluster.backend).writes_sbatch_script:
         lines.append(f'export {SCONTROL_ENV}="${{{SCONTROL_ENV}:-$(command -v scontrol)}}"')
-    return lines + [f"export {name}={shlex.quote(str(value))}" for name, value in env.items()] + list(cluster.setup)
+    return (lines + [f"export {name}={shlex.quote(str(value))}" for name, value in env.items()]
+            + list(cluster.setup))
 
 
 def slurm_parameters(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -84,29 +141,44 @@ def make_executor(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping
     """A submitit executor for `cluster.backend` with every field applied.
 
     slurm: sbatch on the cluster; local: real processes on this machine (one per task, like one
-    node), under a controller that ends in Slurm's states (taehv_slurm.local); debug: in this process,
-    for stepping through with a debugger. run_dir: the folder the run owns, if not `folder` itself.
+    node), under a controller that ends in Slurm's states (taehv_slurm.runtime.controller); debug: in
+    this process, for stepping through with a debugger. run_dir: the folder the run owns, if not
+    `folder` itself.
     """
     folder = Path(folder)
     python = cluster.python or shlex.quote(sys.executable)
     command = entry_command(python, folder, Path(run_dir) if run_dir is not None else None)
-    if cluster.backend == "slurm":
-        executor: submitit.Executor = SlurmExecutor(folder, command, max_num_timeout=cluster.max_requeues, python=python)
-        executor.update_parameters(**slurm_parameters(cluster, extra_env))
-        return executor
-    if cluster.backend == "local":
-        executor = LocalExecutor(folder, command, grace_s=float(cluster.kill_wait_s), max_restarts=cluster.max_requeues + 1,
-                                 python=python)
-        executor.update_parameters(
-            timeout_min=cluster.time_min,
-            tasks_per_node=cluster.tasks_per_node,
-            gpus_per_node=cluster.gpus_per_node if gpus_here() else 0,
-            signal_delay_s=cluster.signal_delay_s,
-            stderr_to_stdout=True,
-            setup=setup_lines(cluster, extra_env),
-        )
-        return executor
+    return _EXECUTORS[cluster.backend](cluster, folder, command, python, extra_env)
+
+
+def _slurm_executor(cluster: ClusterConfig, folder: Path, command: str, python: str,
+                    extra_env: Mapping[str, str] | None) -> submitit.Executor:
+    executor = SlurmExecutor(folder, command, max_num_timeout=cluster.max_requeues, python=python)
+    executor.update_parameters(**slurm_parameters(cluster, extra_env))
+    return executor
+
+
+def _local_executor(cluster: ClusterConfig, folder: Path, command: str, python: str,
+                    extra_env: Mapping[str, str] | None) -> submitit.Executor:
+    executor = LocalExecutor(folder, command, grace_s=float(cluster.kill_wait_s),
+                             max_restarts=cluster.max_requeues + 1, python=python)
+    executor.update_parameters(
+        timeout_min=cluster.time_min,
+        tasks_per_node=cluster.tasks_per_node,
+        gpus_per_node=cluster.gpus_per_node if gpus_here() else 0,
+        signal_delay_s=cluster.signal_delay_s,
+        stderr_to_stdout=True,
+        setup=setup_lines(cluster, extra_env),
+    )
+    return executor
+
+
+def _debug_executor(cluster: ClusterConfig, folder: Path, command: str, python: str,
+                    extra_env: Mapping[str, str] | None) -> submitit.Executor:
     return submitit.DebugExecutor(folder)
+
+
+_EXECUTORS = {"slurm": _slurm_executor, "local": _local_executor, "debug": _debug_executor}
 
 
 def sbatch_preview(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping[str, str] | None = None,
@@ -129,7 +201,8 @@ _SBATCH_FIXES = (
     ("requested node configuration is not available",
      "no node offers that many GPUs/CPUs/memory: check gpus_per_node (gres), cpus_per_task × tasks_per_node "
      "and mem_gb against `sinfo -o '%P %D %c %m %G'`"),
-    ("invalid generic resource", "the cluster has no such GRES: check gres / gpus_per_node against `sinfo -o '%G'`"),
+    ("invalid generic resource",
+     "the cluster has no such GRES: check gres / gpus_per_node against `sinfo -o '%G'`"),
     ("more processors requested than permitted", "lower cpus_per_task or tasks_per_node"),
     ("node count specification invalid", "the partition has fewer nodes than requested: lower nodes"),
     ("invalid account", "set account to one `sacctmgr show assoc user=$USER` lists"),
@@ -143,7 +216,8 @@ def describe_sbatch_error(text: str) -> str:
     if says_no_slurm(text):
         return NO_SLURM_HINT
     lines = [ln.strip() for ln in text.splitlines() if "error:" in ln.lower()]
-    reason = lines[-1].split("error:", 1)[-1].strip() if lines else text.strip().splitlines()[-1] if text.strip() else "unknown"
+    reason = (lines[-1].split("error:", 1)[-1].strip() if lines
+              else text.strip().splitlines()[-1] if text.strip() else "unknown")
     for needle, fix in _SBATCH_FIXES:
         if needle in reason.lower():
             return f"sbatch rejected the job: {reason}; {fix}"

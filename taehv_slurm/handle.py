@@ -1,7 +1,8 @@
 """`JobHandle`: one submitted run — its job's state, logs, events, metrics and accounting, and control
-(wait, cancel, requeue). A small object over the modules that know each part: taehv_slurm.slurm and
-taehv_slurm.local (state, accounting, control), the run folder's events (taehv_slurm.requeue), the
-registry (re-opening a run by job id) and taehv_slurm.reports (DataFrames, plots, progress display).
+(wait, cancel, requeue). A small object over the modules that know each part: its backend object
+(taehv_slurm.backends: state and control), taehv_slurm.slurm (accounting), the run folder's events
+(taehv_slurm.runtime.runfiles), the registry (re-opening a run by job id) and taehv_slurm.reports
+(DataFrames, plots, progress display). `LogFollower` streams a rank's log.
 """
 
 from __future__ import annotations
@@ -17,20 +18,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-import submitit
-
-from . import local, slurm
-from .config import ClusterConfig, load_cluster
-from .registry import find_record, read_registry, run_name
-from .requeue import EventLog
+from taehv_slurm import slurm
+from taehv_slurm.backends import backend_named
+from taehv_slurm.config import ClusterConfig, load_cluster
+from taehv_slurm.registry import find_record, read_registry, run_name
+from taehv_slurm.runtime.runfiles import EventLog
 
 if TYPE_CHECKING:  # only for annotations: importing pandas/matplotlib costs seconds
     import pandas as pd
+    import submitit
     from matplotlib.figure import Figure
-
-
-class JobControlError(RuntimeError):
-    """A Slurm command on a job (scontrol requeue) failed; the message is one line."""
 
 
 class JobHandle:
@@ -43,6 +40,7 @@ class JobHandle:
         self.cluster = cluster
         self.record = dict(record or {})
         self.job_dir = Path(job_dir if job_dir is not None else cluster.job_dir)
+        self.backend = backend_named(cluster.backend)
 
     # ------------------------------------------------------------------------------- identity
     @classmethod
@@ -55,17 +53,13 @@ class JobHandle:
         run_dir = base / rec["run"] if "run" in rec else Path(rec["run_dir"])
         folder = base / rec["folder_rel"] if "folder_rel" in rec else Path(rec["folder"])
         cluster = load_cluster(rec["cluster"])
-        tasks = list(range(int(rec["world_size"])))
-        if rec["backend"] == "slurm":
-            job: submitit.Job = submitit.SlurmJob(folder=folder, job_id=rec["job_id"], tasks=tasks)
-        else:
-            job = submitit.LocalJob(folder=folder, job_id=rec["job_id"], tasks=tasks)
+        job = backend_named(rec["backend"]).job(folder, rec["job_id"], list(range(int(rec["world_size"]))))
         return cls(job, run_dir, cluster, {**rec, "folder": str(folder)}, job_dir=base)
 
     @staticmethod
     def registry(job_dir: str | os.PathLike = "runs") -> pd.DataFrame:
         """Every run submitted to `job_dir` (see `taehv_slurm.reports.registry_frame`)."""
-        from .reports import registry_frame
+        from taehv_slurm.reports import registry_frame
 
         return registry_frame(job_dir)
 
@@ -85,7 +79,8 @@ class JobHandle:
 
     @property
     def total_steps(self) -> int | None:
-        steps = (self.record.get("plan") or {}).get("total_steps") or (self.record.get("train") or {}).get("steps")
+        steps = ((self.record.get("plan") or {}).get("total_steps")
+                 or (self.record.get("train") or {}).get("steps"))
         return int(steps) if steps else None
 
     def __repr__(self) -> str:
@@ -94,12 +89,9 @@ class JobHandle:
     # ---------------------------------------------------------------------------------- state
     @property
     def state(self) -> str:
-        """The job's state, Slurm's names on every backend (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...)."""
-        if self.cluster.backend == "slurm":
-            return slurm.job_state(self.job_id) or "UNKNOWN"
-        if self.cluster.backend == "local":
-            return local.job_state(self.folder, self.job_id)["state"]
-        return str(self.job.state).upper()
+        """The job's state, Slurm's names on every backend (PENDING, RUNNING, COMPLETED, FAILED,
+        CANCELLED, ...)."""
+        return self.backend.state(self.job_id, self.folder, self.job)
 
     @property
     def folder(self) -> Path:
@@ -111,12 +103,13 @@ class JobHandle:
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 2.0, progress: bool = True,
              until_step: int | None = None) -> str:
-        """Block until the job ends (or, with `until_step`, until the run logged that step); returns the state.
+        """Block until the job ends (or, with `until_step`, until the run logged that step); returns the
+        state.
 
         The progress display is a bar updated in place in a notebook, tqdm in a terminal, and one plain
         line per change otherwise (logs, CI).
         """
-        from .reports import Progress
+        from taehv_slurm.reports import Progress
 
         display = Progress(f"job {self.job_id}", self.total_steps, enabled=progress)
         start = time.monotonic()
@@ -128,7 +121,8 @@ class JobHandle:
                 if slurm.is_final(state) or (until_step is not None and (step or 0) >= until_step):
                     return state
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
-                    raise TimeoutError(f"job {self.job_id} still {state} at step {step} after {timeout_s:.0f} s")
+                    raise TimeoutError(f"job {self.job_id} still {state} at step {step} after "
+                                       f"{timeout_s:.0f} s")
                 time.sleep(poll_s)
         finally:
             display.close()
@@ -142,18 +136,11 @@ class JobHandle:
     def cancel(self) -> None:
         """Cancel the job. Its ranks get SIGTERM first, so the run saves its step before it ends (the
         task records `cancelled`); submitting the run name again resumes from there."""
-        if self.cluster.backend == "local":
-            local.cancel(self.folder, self.job_id)
-        else:
-            self.job.cancel(check=False)
+        self.backend.cancel(self.job_id, self.folder, self.job)
 
     def requeue(self) -> None:
         """Preempt the job as the scheduler would (`scontrol requeue`): it saves, requeues and resumes."""
-        if self.cluster.backend != "slurm":
-            raise JobControlError(f"job {self.job_id} runs on the {self.cluster.backend} backend; requeue needs Slurm")
-        answer = slurm.requeue(self.job_id)
-        if not answer.ok:
-            raise JobControlError(f"scontrol requeue {self.job_id} failed: {answer.error}")
+        self.backend.requeue(self.job_id)
 
     # ----------------------------------------------------------------------------------- logs
     def log_path(self, rank: int = 0) -> Path:
@@ -197,7 +184,8 @@ class JobHandle:
     def _time_window(self) -> tuple[float, float]:
         begin = float(self.record["submitted_at"])
         later = [float(r["submitted_at"]) for r in read_registry(self.job_dir)
-                 if run_name(r) == self.name and r["job_id"] != self.job_id and float(r["submitted_at"]) > begin]
+                 if run_name(r) == self.name and r["job_id"] != self.job_id
+                 and float(r["submitted_at"]) > begin]
         return begin, min(later, default=math.inf)
 
     def interruptions(self, run_wide: bool = False) -> list[dict[str, Any]]:
@@ -221,7 +209,7 @@ class JobHandle:
     def requeue_count(self) -> int:
         """How often Slurm requeued the job: its REQUEUED records in sacct (Slurm 22.05's sacct has no
         Restarts field); the events file's count where there is no accounting."""
-        if self.cluster.backend == "slurm":
+        if self.backend.has_accounting:
             frame = self.accounting()
             if not frame.empty:
                 return int(frame.attrs.get("requeues", 0))
@@ -246,10 +234,11 @@ class JobHandle:
 
     def _failure(self) -> tuple[int | None, str | None]:
         events = self.events()
-        controller = local.job_state(self.folder, self.job_id) if self.cluster.backend == "local" else {}
+        controller = self.backend.failure(self.job_id, self.folder)
         if (first := controller.get("failed_rank")) is not None:
             # The rank that failed first holds the cause; the others' errors ("connection closed by peer")
-            # are its consequence. Without an error of its own (killed, os._exit) the controller's line says it.
+            # are its consequence. Without an error of its own (killed, os._exit) the controller's line
+            # says it.
             own = [e["error"] for e in events if e["event"] == "failure" and e.get("rank") == first]
             return first, own[-1] if own else controller.get("error") or None
         for event in reversed(events):
@@ -257,7 +246,8 @@ class JobHandle:
                 return event.get("rank"), event["error"]
             if event["event"] == "requeue_failed":
                 fix = event.get("fix", "")
-                return event.get("rank"), f"saved step {event['step']} but could not requeue: {event['error']}; {fix}".rstrip("; ")
+                return event.get("rank"), (f"saved step {event['step']} but could not requeue: "
+                                           f"{event['error']}; {fix}").rstrip("; ")
         return None, controller.get("error") or None
 
     def last_step(self) -> int | None:
@@ -281,7 +271,7 @@ class JobHandle:
         event='requeue': the step the run was saved at and resumed from, with its reason
         `time` is a UTC pandas Timestamp; `elapsed_s` counts seconds from the first row.
         """
-        from .reports import metrics_frame
+        from taehv_slurm.reports import metrics_frame
 
         return metrics_frame(self.run_dir, self.interruptions(run_wide=True))
 
@@ -307,7 +297,8 @@ class JobHandle:
         return slurm.is_final(slurm.squeue_state(self.job_id) or "PENDING")
 
     def summary(self) -> dict[str, Any]:
-        """One status row: id, run, state, step/total, requeues, swept values, and why it stopped or failed."""
+        """One status row: id, run, state, step/total, requeues, swept values, and why it stopped or
+        failed."""
         step, total = self.last_step(), self.total_steps
         state = self.state
         note = self.stop_reason or (self.error if not slurm.is_success(state) else None) or ""
@@ -317,7 +308,8 @@ class JobHandle:
         return {"job_id": self.job_id, "run": self.name, "state": state,
                 "nodes": self.record.get("nodes"), "ranks": self.record.get("world_size"),
                 "step": f"{step if step is not None else '-'}/{total or '?'}", "requeues": len(requeues),
-                "submitted": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.record.get("submitted_at", 0))),
+                "submitted": time.strftime("%Y-%m-%d %H:%M:%S",
+                                           time.localtime(self.record.get("submitted_at", 0))),
                 **self.sweep, "note": note}
 
     def plot(self, path: str | os.PathLike | None = None, title: str | None = None) -> Figure:
@@ -325,7 +317,7 @@ class JobHandle:
         nodes, ranks = self.record.get("nodes"), self.record.get("world_size")
         shape = f" · {nodes} node(s) × {ranks // nodes} ranks" if nodes and ranks else ""
         label = title or f"job {self.job_id} · run {self.name}{shape}"
-        from .reports import plot_metrics
+        from taehv_slurm.reports import plot_metrics
 
         return plot_metrics({label: self.metrics()}, path, title=label)
 
@@ -336,7 +328,8 @@ class LogFollower:
     so following keeps going across requeues. hide_tracebacks: each traceback becomes one line naming
     the log that holds it (for a caller that prints the error once at the end)."""
 
-    def __init__(self, handle: JobHandle, rank: int = 0, position: int = 0, hide_tracebacks: bool = False) -> None:
+    def __init__(self, handle: JobHandle, rank: int = 0, position: int = 0,
+                 hide_tracebacks: bool = False) -> None:
         self.handle, self.path, self.position = handle, handle.log_path(rank), position
         self.filter = _TracebackFilter(self.path) if hide_tracebacks else None
 
@@ -389,7 +382,8 @@ class _TracebackFilter:
             elif self.inside and (line.startswith((" ", "\t")) or not line.strip()):
                 continue
             elif self.inside:
-                self.inside = False  # the exception's own line ends the traceback (printed once by the caller)
+                # the exception's own line ends the traceback (printed once by the caller)
+                self.inside = False
             elif "Submitted job triggered an exception" in line:
                 continue  # submitit's own note of the same failure (once per handler)
             elif line.strip() or self.last != self.marker:  # no blank line between chained tracebacks

@@ -1,8 +1,10 @@
-"""How the library and its jobs say things: an error in one line, and a rank's log lines."""
+"""How the library and its jobs say things: an error in one line, a rank's log lines, and our commands
+named the way the user runs them."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -32,3 +34,13 @@ def rank_logger(name: str, rank: int, every_rank_informs: bool = False) -> loggi
     log.setLevel(logging.INFO if rank == 0 or every_rank_informs else logging.WARNING)
     log.propagate = False
     return log
+
+
+CLI_ENV = "TAEHV_CLI"  # how the user runs our commands; set by the CLI, inherited by the jobs it submits
+
+
+def command(sub: str) -> str:
+    """How the user runs subcommand `sub`, the way they invoked the CLI: `taehv submit` (the default),
+    `python -m taehv_slurm submit`, or `python -m jobs.submit` from a checkout."""
+    style = os.environ.get(CLI_ENV) or "taehv"
+    return f"python -m jobs.{sub}" if style == "jobs" else f"{style} {sub}"

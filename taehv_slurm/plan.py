@@ -21,12 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ClusterConfig, ConfigError, TrainConfig, load_train
+from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_train
+from taehv_slurm.messages import command
 
-# Throughput of each engine relative to allreduce (plain data parallelism), measured on H200s (docs/benchmarks.md): 2 GPUs, a
-# TAEHV-shaped model (ZeRO-2 −7 %, ZeRO-3 −18 %), and 1 GPU with our model (ZeRO-2 −30 %). ZeRO buys
-# no memory worth its cost for an 11 M-parameter model, so the plan prefers allreduce and moves to ZeRO only
-# when parameters + optimizer states do not fit.
+# Throughput of each engine relative to allreduce (plain data parallelism), measured on H200s
+# (docs/benchmarks.md): 2 GPUs, a TAEHV-shaped model (ZeRO-2 −7 %, ZeRO-3 −18 %), and 1 GPU with our model
+# (ZeRO-2 −30 %). ZeRO buys no memory worth its cost for an 11 M-parameter model, so the plan prefers
+# allreduce and moves to ZeRO only when parameters + optimizer states do not fit.
 ENGINE_RELATIVE_SPEED = {"allreduce": 1.0, "zero1": 0.95, "zero2": 0.93, "zero3": 0.82}
 # Activation memory of one 12×480×720 clip in a bf16 training step (encoder + decoder, forward +
 # backward, torch.compile), measured on H200: peak 35.1 GiB at batch 8 → 4.4 GiB per clip (17.5 GiB
@@ -107,7 +108,7 @@ class ScalePlan:
         return f"{self.effective_batch} = {' + '.join(parts)}; {micro}"
 
     def table(self) -> str:
-        """A two-column table for `jobs.submit --dry-run` and notebooks."""
+        """A two-column table for `taehv submit --dry-run` and notebooks."""
         rows = [
             ("GPUs", f"{self.world_size} = {self.num_nodes} node(s) × {self.gpus_per_node}"),
             ("effective batch", self.split_text()),
@@ -125,7 +126,8 @@ class ScalePlan:
 
 
 def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[str, Any] | None = None, *,
-             gpu_memory_gb: float = 80.0, cpus_per_task: int | None = None, device: str = "cuda") -> ScalePlan:
+             gpu_memory_gb: float = 80.0, cpus_per_task: int | None = None,
+             device: str = "cuda") -> ScalePlan:
     """The plan for `num_nodes` × `gpus_per_node` ranks.
 
     gpus_per_node is the number of ranks per node (one per GPU); 0 means one rank per node. With
@@ -140,40 +142,11 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
     world = num_nodes * ranks_per_node
     per_gpu, accum = _split_batch(cfg, world, ranks_per_node, num_nodes)
 
-    states_gb = {name: _state_bytes(name, cfg, world) / 1e9 for name in ENGINE_RELATIVE_SPEED}
     act_gb = _activation_gb(cfg, per_gpu)
-    budget = gpu_memory_gb * GPU_MEMORY_HEADROOM
     on_gpu = gpus_per_node > 0 and device != "cpu"
-    if cfg.engine.kind != "auto":
-        engine = cfg.engine.kind
-        reason = "set in the config"
-        if on_gpu and states_gb[engine] + act_gb > budget:
-            raise ConfigError(
-                f"engine {engine} needs ≈{states_gb[engine] + act_gb:.0f} GB per GPU with per-GPU batch "
-                f"{per_gpu} but {gpu_memory_gb:.0f} GB are available: lower batch.per_gpu or set engine.kind: auto"
-            )
-    else:
-        fitting = [e for e in ENGINE_RELATIVE_SPEED if not on_gpu or states_gb[e] + act_gb <= budget]
-        if not fitting:
-            raise ConfigError(
-                f"no engine fits {gpu_memory_gb:.0f} GB per GPU at per-GPU batch {per_gpu} "
-                f"(activations ≈{act_gb:.0f} GB): lower batch.per_gpu or enable engine.activation_checkpointing"
-            )
-        engine = max(fitting, key=lambda e: ENGINE_RELATIVE_SPEED[e])
-        slower = ", ".join(f"{e} {100 * (ENGINE_RELATIVE_SPEED[e] - 1):+.0f} %" for e in ENGINE_RELATIVE_SPEED if e != engine)
-        reason = (f"fastest that fits; measured vs allreduce: {slower}" if engine == "allreduce"
-                  else f"allreduce does not fit; {engine} does")
-
+    engine, reason, states_gb = _choose_engine(cfg, world, per_gpu, act_gb, gpu_memory_gb if on_gpu else None)
     timeout = max(t for n, t in NCCL_TIMEOUT_BY_NODES if num_nodes >= n)
-    nccl_env: dict[str, str] = {}
-    if on_gpu:
-        nccl_env = {
-            "NCCL_BUFFSIZE": str((32 if num_nodes >= 8 else 16) * 1024 * 1024),
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a timed-out collective raises instead of hanging
-        }
-        if num_nodes > 1:
-            nccl_env["NCCL_IB_TIMEOUT"] = "22"  # longer IB retry window on large fabrics
-
+    nccl_env = _nccl_env(num_nodes) if on_gpu else {}
     workers, prefetch, notes = _loader_settings(cfg, cpus_per_task, on_gpu)
     scale = _lr_scale(cfg)
     return ScalePlan(
@@ -191,7 +164,7 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
         engine=engine,
         engine_reason=reason,
         precision=cfg.engine.precision if on_gpu else "fp32",
-        memory_per_gpu_gb=round(states_gb[engine] + act_gb, 2),
+        memory_per_gpu_gb=round(states_gb + act_gb, 2),
         nccl_timeout_s=timeout,
         nccl_env=nccl_env,
         num_workers=workers,
@@ -203,9 +176,51 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
     )
 
 
+def _choose_engine(cfg: TrainConfig, world: int, per_gpu: int, act_gb: float,
+                   gpu_memory_gb: float | None) -> tuple[str, str, float]:
+    """(engine, why, its state GB per GPU): the configured one if it fits, else the fastest that fits
+    (`gpu_memory_gb` None: no GPU memory limit, as on CPUs)."""
+    states_gb = {name: _state_bytes(name, cfg, world) / 1e9 for name in ENGINE_RELATIVE_SPEED}
+    fits = {e: gpu_memory_gb is None or states_gb[e] + act_gb <= gpu_memory_gb * GPU_MEMORY_HEADROOM
+            for e in ENGINE_RELATIVE_SPEED}
+    if cfg.engine.kind != "auto":
+        engine = cfg.engine.kind
+        if not fits[engine]:
+            raise ConfigError(
+                f"engine {engine} needs ≈{states_gb[engine] + act_gb:.0f} GB per GPU with per-GPU batch "
+                f"{per_gpu} but {gpu_memory_gb:.0f} GB are available: lower batch.per_gpu "
+                "or set engine.kind: auto"
+            )
+        return engine, "set in the config", states_gb[engine]
+    fitting = [e for e in ENGINE_RELATIVE_SPEED if fits[e]]
+    if not fitting:
+        raise ConfigError(
+            f"no engine fits {gpu_memory_gb:.0f} GB per GPU at per-GPU batch {per_gpu} "
+            f"(activations ≈{act_gb:.0f} GB): lower batch.per_gpu or enable engine.activation_checkpointing"
+        )
+    engine = max(fitting, key=lambda e: ENGINE_RELATIVE_SPEED[e])
+    slower = ", ".join(f"{e} {100 * (ENGINE_RELATIVE_SPEED[e] - 1):+.0f} %" for e in ENGINE_RELATIVE_SPEED
+                       if e != engine)
+    reason = (f"fastest that fits; measured vs allreduce: {slower}" if engine == "allreduce"
+              else f"allreduce does not fit; {engine} does")
+    return engine, reason, states_gb[engine]
+
+
+def _nccl_env(num_nodes: int) -> dict[str, str]:
+    """NCCL settings for the node count (GPU runs only)."""
+    env = {
+        "NCCL_BUFFSIZE": str((32 if num_nodes >= 8 else 16) * 1024 * 1024),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a timed-out collective raises instead of hanging
+    }
+    if num_nodes > 1:
+        env["NCCL_IB_TIMEOUT"] = "22"  # longer IB retry window on large fabrics
+    return env
+
+
 def plan_for_cluster(cluster: ClusterConfig, train: TrainConfig | Mapping[str, Any]) -> ScalePlan:
     """The plan for a cluster config's shape, GPU memory and cores, on its tasks' device."""
-    return plan_for(cluster.nodes, int(cluster.tasks_per_node or 1), train, gpu_memory_gb=cluster.gpu_memory_gb,
+    return plan_for(cluster.nodes, int(cluster.tasks_per_node or 1), train,
+                    gpu_memory_gb=cluster.gpu_memory_gb,
                     cpus_per_task=cluster.cpus_per_task, device=cluster.task_device())
 
 
@@ -214,9 +229,11 @@ def _split_batch(cfg: TrainConfig, world: int, ranks_per_node: int, num_nodes: i
     effective, cap, accum = cfg.batch.effective, cfg.batch.per_gpu, cfg.batch.grad_accum
     if world > effective:
         most_nodes = effective // ranks_per_node
-        fewer = f"{most_nodes} node(s) × {ranks_per_node} = {most_nodes * ranks_per_node} GPUs" if most_nodes else f"{effective} GPUs"
+        fewer = (f"{most_nodes} node(s) × {ranks_per_node} = {most_nodes * ranks_per_node} GPUs" if most_nodes
+                 else f"{effective} GPUs")
         raise ConfigError(
-            f"effective batch {effective} cannot be split over {world} GPUs ({num_nodes} node(s) × {ranks_per_node}): "
+            f"effective batch {effective} cannot be split over {world} GPUs "
+            f"({num_nodes} node(s) × {ranks_per_node}): "
             f"each rank needs at least one sample per step; use at most {fewer}, or set batch.effective to "
             f"{world} or more (another run: lr follows optim.lr_scaling)"
         )
@@ -224,8 +241,9 @@ def _split_batch(cfg: TrainConfig, world: int, ranks_per_node: int, num_nodes: i
     if accum is not None:
         if accum > largest_share:
             raise ConfigError(
-                f"batch.grad_accum={accum} asks for more micro-batches than the {largest_share} samples a rank takes "
-                f"per step ({effective} over {world} GPUs): remove batch.grad_accum or set it to at most {largest_share}"
+                f"batch.grad_accum={accum} asks for more micro-batches than the {largest_share} samples "
+                f"a rank takes per step ({effective} over {world} GPUs): remove batch.grad_accum or set it "
+                f"to at most {largest_share}"
             )
         return -(-largest_share // accum), accum
     per_gpu = min(cap, largest_share)
@@ -240,7 +258,8 @@ def taehv_param_count(cfg: TrainConfig) -> int:
         return conv3(2 * c, c) + 2 * conv3(c, c)
     e, pix = m.encoder_width, 3 * m.patch_size**2
     tpool = [2, 2, 1]
-    enc = conv3(pix, e) + sum(e * s * e + conv3(e, e, False) + 3 * memblock(e) for s in tpool) + conv3(e, m.latent_channels)
+    enc = (conv3(pix, e) + sum(e * s * e + conv3(e, e, False) + 3 * memblock(e) for s in tpool)
+           + conv3(e, m.latent_channels))
     w = m.decoder_widths
     tgrow = [1, 2, 2]
     dec = conv3(m.latent_channels, w[0])
@@ -282,10 +301,11 @@ def _loader_settings(cfg: TrainConfig, cpus_per_task: int | None, on_gpu: bool) 
     notes = []
     if on_gpu:
         pixels = d.frames * d.height * d.width / REFERENCE_CLIP_ELEMENTS
-        wanted = max(1, math.ceil(TRAIN_CLIPS_PER_GPU * pixels * LOADER_HEADROOM / CLIPS_PER_WORKER[d.source]))
+        wanted = max(1, math.ceil(TRAIN_CLIPS_PER_GPU * pixels * LOADER_HEADROOM
+                                  / CLIPS_PER_WORKER[d.source]))
         auto_workers = min(spare, wanted)
         if d.num_workers is None and wanted > spare:
-            fix = {"video": "or prepare the data once with `python -m jobs.prepare`",
+            fix = {"video": f"or prepare the data once with `{command('prepare')}`",
                    "synthetic": "(synthetic clips are rendered on the CPU; prepared data needs far fewer)",
                    "prepared": "or read the shards from faster storage"}[d.source]
             notes.append(f"the loader needs ≈{wanted + 1} CPU cores per GPU to keep the GPU busy "

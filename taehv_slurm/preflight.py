@@ -1,6 +1,6 @@
 """Preflight: check a cluster before a long run — configs, plan, dependencies, data, checkpoint space,
 Slurm's partition and nodes, and (optionally) a short job on the nodes. Each check adds rows
-(check, PASS | FAIL | WARN | SKIP, detail); every FAIL names what to change. `python -m jobs.preflight`
+(check, PASS | FAIL | WARN | SKIP, detail); every FAIL names what to change. `taehv preflight`
 prints them.
 """
 
@@ -19,13 +19,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import slurm
-from .config import ClusterConfig, ConfigError, TrainConfig, load_cluster, load_train
-from .executor import SubmissionError
-from .messages import one_line
-from .plan import plan_for_cluster, taehv_param_count
-from .security import make_private_dir
-from .smoke import SmokeTask
+from taehv_slurm import slurm
+from taehv_slurm.backends import backend_named
+from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_cluster, load_train
+from taehv_slurm.executor import SubmissionError
+from taehv_slurm.messages import one_line
+from taehv_slurm.plan import plan_for_cluster, taehv_param_count
+from taehv_slurm.runtime.smoke import SmokeTask
+from taehv_slurm.security import make_private_dir
 
 
 @dataclasses.dataclass
@@ -49,7 +50,8 @@ class PreflightOptions:
     min_bus_gbps: float = 0.0  # FAIL below this bus bandwidth at the largest size
     job_timeout_s: float = 900.0  # queue + run
     sample_clips: int = 8  # video files (or prepared clips) the dataset check reads
-    # (train config, sample) → (result, detail): the trainer's readers on the dataset (trainer.checks)
+    # (train config, sample) → (result, detail): the trainer's readers on the dataset
+    # (taehv_slurm.trainer.checks)
     dataset_check: Callable[[TrainConfig, int], tuple[str, str]] | None = None
     origins: Mapping[str, str] | None = None  # config key → the flag that set it (load_cluster's origins)
 
@@ -91,14 +93,16 @@ class Preflight:
         try:
             self.cluster = c = load_cluster(cluster_source, origins=self.options.origins, **cluster_over)
             self.add("cluster config", "PASS",
-                     f"{cluster_source}: {c.backend}, partition {c.partition or '(default)'}, {c.nodes} node(s) × "
-                     f"{c.tasks_per_node} tasks, gres {c.gres_request or 'none'}, {c.cpus_per_task} CPUs/task, "
+                     f"{cluster_source}: {c.backend}, partition {c.partition or '(default)'}, "
+                     f"{c.nodes} node(s) × {c.tasks_per_node} tasks, gres {c.gres_request or 'none'}, "
+                     f"{c.cpus_per_task} CPUs/task, "
                      f"device {c.device}")
         except ConfigError as err:
             self.add("cluster config", "FAIL", str(err))
         try:
             self.train = t = load_train(train_source, origins=self.options.origins, **train_over)
-            self.add("train config", "PASS", f"{train_source}: {t.name}, {t.steps} steps, data {t.data.source}, "
+            self.add("train config", "PASS", f"{train_source}: {t.name}, {t.steps} steps, "
+                                             f"data {t.data.source}, "
                                              f"effective batch {t.batch.effective}")
         except ConfigError as err:
             self.add("train config", "FAIL", str(err))
@@ -112,7 +116,8 @@ class Preflight:
         except ConfigError as err:
             self.add("plan", "FAIL", str(err))
             return
-        self.add("plan", "PASS", f"{p.world_size} GPUs = {p.num_nodes} × {p.gpus_per_node}: {p.split_text()}; "
+        self.add("plan", "PASS", f"{p.world_size} GPUs = {p.num_nodes} × {p.gpus_per_node}: "
+                                 f"{p.split_text()}; "
                                  f"engine {p.engine}; ≈{p.memory_per_gpu_gb:.1f} GB per GPU")
 
     # ---------------------------------------------------------------------------- dependencies
@@ -135,14 +140,18 @@ class Preflight:
         if problem:
             self.add("dependencies", "FAIL", problem)
             return
-        missing = [f"{n} ({found[n]['error']}; needed for {needed[n]})" for n in needed if "error" in found[n]]
+        missing = [f"{n} ({found[n]['error']}; needed for {needed[n]})" for n in needed
+                   if "error" in found[n]]
         optional = [n for n in wanted if n not in needed and "error" in found[n]]
-        versions = ", ".join(f"{'PyYAML' if n == 'yaml' else n} {found[n]['version']}" for n in names if "version" in found[n])
+        versions = ", ".join(f"{'PyYAML' if n == 'yaml' else n} {found[n]['version']}" for n in names
+                             if "version" in found[n])
         torch_info = found.get("torch", {})
-        cuda = (f"; torch CUDA {torch_info.get('cuda') or 'none'}, {torch_info.get('gpus', 0)} GPU(s) on this machine"
+        cuda = (f"; torch CUDA {torch_info.get('cuda') or 'none'}, "
+                f"{torch_info.get('gpus', 0)} GPU(s) on this machine"
                 if "version" in torch_info else "")
         if missing:
-            self.add("dependencies", "FAIL", f"missing: {'; '.join(missing)}; install them in the job's environment "
+            self.add("dependencies", "FAIL", f"missing: {'; '.join(missing)}; "
+                                             "install them in the job's environment "
                                              f"(pip install -e . installs all)")
         else:
             note = f"; not installed (not needed by this config): {', '.join(optional)}" if optional else ""
@@ -182,7 +191,8 @@ class Preflight:
                 os.fsync(probe.fileno())
         except OSError as err:
             self.add("checkpoint folder", "FAIL",
-                     f"{job_dir} is not writable ({err.strerror or err}): set job_dir in the cluster config to a folder "
+                     f"{job_dir} is not writable ({err.strerror or err}): "
+                     "set job_dir in the cluster config to a folder "
                      "you can write, on storage every node sees")
             return
         world = c.nodes * int(c.tasks_per_node or 1)
@@ -194,7 +204,8 @@ class Preflight:
         detail = (f"{job_dir} writable; {_size(free)} free, {keep} checkpoints of ≈{_size(size)} "
                   f"(+1 while saving) need {_size(need)}")
         if free < need:
-            self.add("checkpoint folder", "FAIL", f"{detail}: free space there, lower intervals.keep_checkpoints "
+            self.add("checkpoint folder", "FAIL", f"{detail}: free space there, "
+                                                  "lower intervals.keep_checkpoints "
                                                   "or move job_dir")
         else:
             self.add("checkpoint folder", "PASS", detail)
@@ -205,47 +216,72 @@ class Preflight:
         if c is None:
             self.add("partition", "SKIP", "needs a valid cluster config")
             return
-        if c.backend != "slurm":
+        if backend_named(c.backend).runs_here:
             self.add("partition", "SKIP", f"backend {c.backend}: runs on this machine, no Slurm")
             return
+        part = self._check_partition(c)
+        if part is not None:
+            self._check_nodes(c, part)
+
+    def _check_partition(self, c: ClusterConfig) -> str | None:
+        """The partition row; the partition's name when it is usable."""
         answer = slurm.sinfo(["-h", "-o", "%P|%a|%D|%l"])
         if not answer.ok:
             self.add("partition", "FAIL", answer.error)
-            return
-        parts = answer.output.splitlines()
+            return None
         listed = {}
         default = None
-        for line in parts:
+        for line in answer.output.splitlines():
             name, avail, count, limit = line.split("|")
             if name.endswith("*"):
                 name = default = name[:-1]
             listed[name] = (avail, int(count), limit)
         part = c.partition or default
         if part not in listed:
-            self.add("partition", "FAIL", f"partition {part!r} not found; sinfo lists: {', '.join(listed) or 'none'}: "
+            self.add("partition", "FAIL", f"partition {part!r} not found; "
+                                          f"sinfo lists: {', '.join(listed) or 'none'}: "
                                           "set partition (or --partition) to one of them")
-            return
+            return None
         avail, count, limit = listed[part]
         limit_min = slurm.limit_minutes(limit)
         if avail != "up":
             self.add("partition", "FAIL", f"partition {part} is {avail}: ask the admins, or use another one")
-            return
+            return None
         if limit_min is not None and c.time_min > limit_min:
-            self.add("partition", "FAIL", f"time_min {c.time_min} exceeds partition {part}'s limit of {limit}: "
-                                          f"lower time_min to {limit_min} (the job requeues itself at the limit)")
-            return
+            self.add("partition", "FAIL", f"time_min {c.time_min} exceeds partition {part}'s limit of "
+                                          f"{limit}: lower time_min to {limit_min} (the job requeues itself "
+                                          "at the limit)")
+            return None
         self.add("partition", "PASS", f"{part}: up, {count} node(s), time limit {limit}")
+        return part
 
+    def _check_nodes(self, c: ClusterConfig, part: str) -> None:
+        """The rows of what one node's share needs (GPUs, CPUs, memory) against the partition's nodes."""
         answer = slurm.sinfo(["-h", "-N", "-p", part, "-o", "%N|%T|%c|%G|%m"])
         if not answer.ok:
             self.add("nodes", "FAIL", answer.error)
             return
-        nodes = answer.output.splitlines()
         info = {}
-        for line in nodes:
+        for line in answer.output.splitlines():
             host, state, cpus, gres, mem = line.split("|")
             info[host] = (state.rstrip("*~#!%$@^-+").lower(), int(cpus), gres, int(mem or 0))
         usable = {h: v for h, v in info.items() if v[0] in slurm.USABLE_NODE_STATES}
+        fits = self._resource_rows(c, info, usable)
+        # with no gres requested every usable node is in "gres"
+        fit = fits["gres"] & fits["cpus"] & fits["mem"]
+        detail = (f"{len(fit)} node(s) in {part} fit one node's share ({len(info)} in the partition, "
+                  f"{len(usable)} usable); need {c.nodes}")
+        if not fit:
+            self.add("nodes", "FAIL", f"{detail}: fix the rows above")
+        elif len(fit) < c.nodes:
+            self.add("nodes", "FAIL", f"{detail}: lower --nodes to {len(fit)} or pick another partition "
+                                      "(Slurm may accept the job and leave it pending forever)")
+        else:
+            self.add("nodes", "PASS", detail)
+
+    def _resource_rows(self, c: ClusterConfig, info: dict[str, tuple],
+                       usable: dict[str, tuple]) -> dict[str, set]:
+        """The GPUs, CPUs and memory rows; for each resource, the usable nodes that have enough."""
         fits: dict[str, set[str]] = {"gres": set(), "cpus": set(), "mem": set()}
         want_gres = slurm.parse_gres(c.gres_request or "")
         need_cpus = int(c.tasks_per_node or 1) * c.cpus_per_task
@@ -261,8 +297,9 @@ class Preflight:
         if want_gres:
             ok = len(fits["gres"]) > 0
             self.add("GPUs (gres)", "PASS" if ok else "FAIL",
-                     f"{len(fits['gres'])} of {len(usable)} usable node(s) offer {c.gres_request} (nodes have {offered})"
-                     + ("" if ok else ": set gpus_per_node (or gres) to what the nodes have"))
+                     f"{len(fits['gres'])} of {len(usable)} usable node(s) "
+                     f"offer {c.gres_request} (nodes have "
+                     f"{offered})" + ("" if ok else ": set gpus_per_node (or gres) to what the nodes have"))
         else:
             self.add("GPUs (gres)", "SKIP", "no GPUs requested (gpus_per_node 0)")
         most = max((v[1] for v in usable.values()), default=0)
@@ -275,36 +312,31 @@ class Preflight:
             ok = len(fits["mem"]) > 0
             biggest = max((v[3] for v in usable.values()), default=0) / 1024
             self.add("memory", "PASS" if ok else "FAIL",
-                     f"mem_gb {c.mem_gb:g} per node; {len(fits['mem'])} node(s) have that much (at most {biggest:.0f} GB)"
+                     f"mem_gb {c.mem_gb:g} per node; {len(fits['mem'])} node(s) have that much (at most "
+                     f"{biggest:.0f} GB)"
                      + ("" if ok else f": lower mem_gb to {int(biggest)} or leave it null"))
-        fit = fits["gres"] & fits["cpus"] & fits["mem"]  # with no gres requested every usable node is in "gres"
-        detail = (f"{len(fit)} node(s) in {part} fit one node's share ({len(info)} in the partition, {len(usable)} usable); "
-                  f"need {c.nodes}")
-        if not fit:
-            self.add("nodes", "FAIL", f"{detail}: fix the rows above")
-        elif len(fit) < c.nodes:
-            self.add("nodes", "FAIL", f"{detail}: lower --nodes to {len(fit)} or pick another partition "
-                                      "(Slurm may accept the job and leave it pending forever)")
-        else:
-            self.add("nodes", "PASS", detail)
+        return fits
 
     # ------------------------------------------------------------------------------------- job
     def check_job(self) -> None:
         c = self.cluster
         if self.failed or c is None:
-            self.add("job", "SKIP", f"fix the failed rows first ({', '.join(self.failed) or 'cluster config'})")
+            self.add("job", "SKIP",
+                     f"fix the failed rows first ({', '.join(self.failed) or 'cluster config'})")
             return
-        from .submission import submit
+        from taehv_slurm.submission import submit
 
         sizes = self.options.bandwidth_mib
         backend = "gloo" if c.device == "cpu" else c.dist_backend
-        task = SmokeTask(backend=backend, rendezvous_timeout_s=min(c.rendezvous_timeout_s, 300), timeout_s=300,
+        task = SmokeTask(backend=backend, rendezvous_timeout_s=min(c.rendezvous_timeout_s, 300),
+                         timeout_s=300,
                          bandwidth_mib=sizes)
         job_cluster = dataclasses.replace(c, name=f"{c.name}-preflight", time_min=min(c.time_min, 30),
                                           signal_delay_s=min(c.signal_delay_s, 60), max_requeues=0).validate()
         start = time.monotonic()
         try:
-            handle = submit(task, job_cluster, f"preflight-{time.strftime('%Y%m%d-%H%M%S')}", requeueable=False,
+            handle = submit(task, job_cluster, f"preflight-{time.strftime('%Y%m%d-%H%M%S')}",
+                            requeueable=False,
                             record={"task_kind": "preflight"})
         except SubmissionError as err:
             self.add("job", "FAIL", str(err))
@@ -314,7 +346,8 @@ class Preflight:
         except TimeoutError:
             reason = slurm.squeue_reason(handle.job_id)
             handle.cancel()
-            self.add("job", "FAIL", f"job {handle.job_id} did not finish within {self.options.job_timeout_s:.0f} s "
+            self.add("job", "FAIL", f"job {handle.job_id} did not finish "
+                                    f"within {self.options.job_timeout_s:.0f} s "
                                     f"({reason}); cancelled it")
             return
         elapsed = time.monotonic() - start
@@ -325,10 +358,12 @@ class Preflight:
             except Exception as err:  # a rank failed: submitit raises with that rank's traceback
                 state = f"{state} (a rank failed: {_last_error_line(str(err))})"
         if not facts:
-            self.add("job", "FAIL", f"job {handle.job_id} ended {state}; rank 0's log: {handle.log_path(0)} — "
+            self.add("job", "FAIL", f"job {handle.job_id} ended {state}; "
+                                    f"rank 0's log: {handle.log_path(0)} — "
                                     f"{_last_error_line(handle.tail(40)) or 'empty'}")
             return
-        self.add("job", "PASS", f"job {handle.job_id} {state} in {elapsed:.0f} s (queue + run); results came back "
+        self.add("job", "PASS", f"job {handle.job_id} {state} in {elapsed:.0f} s (queue + run); "
+                                "results came back "
                                 "through job_dir, so the nodes share it")
         self._job_rows(facts, job_cluster, sizes)
 
@@ -345,17 +380,20 @@ class Preflight:
         for f in facts:
             hosts.setdefault(f["host"], []).append(f)
         if len(hosts) != c.nodes:
-            self.add("nodes (job)", "FAIL", f"the job ran on {len(hosts)} host(s), expected {c.nodes}: {', '.join(hosts)}")
+            self.add("nodes (job)", "FAIL",
+                     f"the job ran on {len(hosts)} host(s), expected {c.nodes}: {', '.join(hosts)}")
         for host, mine in sorted(hosts.items()):
             result, gpus = self._gpu_check(mine, c)
             tasks_ok = len(mine) == c.tasks_per_node
             lo, hi = min(f["rank"] for f in mine), max(f["rank"] for f in mine)
             driver = mine[0].get("driver") or "none (no NVIDIA driver)"
-            detail = (f"ranks {lo}-{hi} ({len(mine)} tasks{'' if tasks_ok else f', expected {c.tasks_per_node}'}); "
+            detail = (f"ranks {lo}-{hi} ({len(mine)} "
+                      f"tasks{'' if tasks_ok else f', expected {c.tasks_per_node}'}); "
                       f"{gpus}; driver {driver}; torch {mine[0].get('torch')}")
             self.add(f"node {host}", result if tasks_ok else "FAIL", detail)
         for size in sizes:
-            values = [f["bus_bandwidth_gbps"].get(size, f["bus_bandwidth_gbps"].get(str(size))) for f in facts]
+            values = [f["bus_bandwidth_gbps"].get(size, f["bus_bandwidth_gbps"].get(str(size)))
+                      for f in facts]
             values = [v for v in values if v is not None]
             low = min(values) if values else 0.0
             floor = self.options.min_bus_gbps if size == max(sizes) else 0.0
@@ -376,7 +414,8 @@ class Preflight:
             # CPU runs (the CI testbed): CUDA is not used, so only Slurm's allocation can be checked.
             ok = slurm is not None and int(slurm) == want
             return ("PASS" if ok else "FAIL",
-                    f"Slurm allocated {slurm or 0} of {want} GPUs (SLURM_GPUS_ON_NODE; device cpu, so no CUDA "
+                    f"Slurm allocated {slurm or 0} of {want} GPUs "
+                    "(SLURM_GPUS_ON_NODE; device cpu, so no CUDA "
                     f"device was checked: torch sees {cuda})")
         ok = cuda == want
         names = sorted({str(f.get("device")) for f in mine})
@@ -409,13 +448,15 @@ print("PREFLIGHT " + json.dumps(found))
 def _import_versions(names: list[str]) -> tuple[dict[str, dict[str, Any]], str | None]:
     """Import each package in a fresh interpreter (the job's view, and their import noise stays there)."""
     try:
-        out = subprocess.run([sys.executable, "-c", _IMPORTS, *names], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([sys.executable, "-c", _IMPORTS, *names], capture_output=True, text=True,
+                             timeout=300)
     except subprocess.TimeoutExpired:
         return {}, "importing the dependencies took over 300 s"
     for line in out.stdout.splitlines():
         if line.startswith("PREFLIGHT "):
             return json.loads(line[len("PREFLIGHT "):]), None
-    return {}, f"the import check crashed (exit {out.returncode}): {_last_error_line(out.stderr) or 'no output'}"
+    return {}, (f"the import check crashed (exit {out.returncode}): "
+                f"{_last_error_line(out.stderr) or 'no output'}")
 
 
 def _size(n: float) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .requeue import EventLog
+from taehv_slurm.runtime.runfiles import EventLog
 
 REGISTRY = "registry.jsonl"
 
@@ -44,8 +44,10 @@ def find_record(job_id: str, job_dir: str | os.PathLike) -> dict[str, Any]:
         return records[-1]
     where = Path(job_dir) / REGISTRY
     if not registry:
-        raise UnknownJobError(f"no job {job_id}: {where} lists no runs; pass the job_dir the job was submitted with "
+        raise UnknownJobError(f"no job {job_id}: {where} lists no runs; "
+                              "pass the job_dir the job was submitted with "
                               "(--job-dir or TAEHV_JOB_DIR)")
     known = ", ".join(f"{r['job_id']} ({run_name(r)})" for r in registry[-5:])
-    raise UnknownJobError(f"no job or run {job_id} in {where} (latest: {known}); check the id or run name, or pass "
+    raise UnknownJobError(f"no job or run {job_id} in {where} (latest: {known}); "
+                          "check the id or run name, or pass "
                           "the job_dir it was submitted with")

@@ -1,6 +1,7 @@
-"""Reports on runs: metrics and registries as pandas DataFrames, status tables, plots, and the progress
-display of `JobHandle.wait` (imports pandas; the light paths — submitting, `jobs.status` without a
-table — do not import this module).
+"""Reports built from a run's files: metrics and registries as pandas DataFrames, text tables, plots,
+and the progress display of `JobHandle.wait`. Knows files and records, not jobs (taehv_slurm.runs
+builds the tables of several JobHandles). Imports pandas, so the light paths (submitting,
+`taehv cancel`) never import it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from .registry import read_registry, run_name
-from .requeue import EventLog
+from taehv_slurm.registry import read_registry, run_name
+from taehv_slurm.runtime.runfiles import EventLog
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .handle import JobHandle
 
 # Columns first in `metrics()`, in this order (others follow as the trainer wrote them).
 METRIC_COLUMNS = ("step", "time", "event", "loss", "psnr", "samples_per_second", "lr", "gpu_memory_gb")
@@ -50,31 +50,7 @@ def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, An
     return frame[[*METRIC_COLUMNS, *[c for c in frame.columns if c not in METRIC_COLUMNS]]]
 
 
-def runs_frame(handles: Sequence[JobHandle | str], columns: Sequence[str] = (), *,
-               job_dir: str | os.PathLike | None = None, final: bool = False) -> pd.DataFrame:
-    """The metrics of several runs in one DataFrame, with job_id, run and each run's swept values as columns.
-
-    handles: JobHandles, or job ids with `job_dir`. final=True keeps one row per run: its last train row
-    (with the last validation values beside it) — a sweep's results table.
-    """
-    from .handle import JobHandle
-
-    parts = []
-    for item in handles:
-        handle = item if isinstance(item, JobHandle) else JobHandle.attach(item, job_dir or "runs")
-        frame = handle.metrics()
-        if final:
-            frame = _final_row(frame)
-        parts.append(frame.assign(job_id=handle.job_id, run=handle.name, **handle.sweep))
-    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-    front = [c for c in ("job_id", "run") if c in frame]
-    swept = [k for h in handles if isinstance(h, JobHandle) for k in h.sweep]
-    order = list(dict.fromkeys([*front, *swept, *frame.columns]))
-    frame = frame[order]
-    return frame[[*columns]] if columns else frame
-
-
-def _final_row(frame: pd.DataFrame) -> pd.DataFrame:
+def final_row(frame: pd.DataFrame) -> pd.DataFrame:
     train = frame[frame["event"] == "train"]
     if train.empty:
         return train
@@ -94,39 +70,14 @@ def registry_frame(job_dir: str | os.PathLike) -> pd.DataFrame:
     for rec in read_registry(job_dir):
         rows.append({"job_id": rec["job_id"], "run": run_name(rec),
                      "submitted": pd.Timestamp(rec.get("submitted_at", 0), unit="s"),
-                     "backend": rec.get("backend"), "nodes": rec.get("nodes"), "world_size": rec.get("world_size"),
+                     "backend": rec.get("backend"), "nodes": rec.get("nodes"),
+                     "world_size": rec.get("world_size"),
                      "task": rec.get("task"), "steps": (rec.get("plan") or {}).get("total_steps"),
                      **(rec.get("sweep") or {})})
     return pd.DataFrame(rows)
 
 
-def accounting_frame(handles: Sequence[JobHandle]) -> pd.DataFrame:
-    """Slurm's accounting of the runs, one row per run attempt (the first run and each requeue): job id,
-    run, attempt, state, exit code, elapsed, start, end, nodes, GPUs (AllocTRES gres/gpu; empty where the
-    site does not account GPUs) and the largest step's MaxRSS in GB. Empty for runs without accounting
-    (the local backend, a cluster without slurmdbd)."""
-    rows = []
-    for handle in handles:
-        if handle.cluster.backend != "slurm":
-            continue
-        frame = handle.accounting()
-        if frame.empty:
-            continue
-        steps = frame[frame["JobID"].str.contains(".", regex=False)]
-        for _, alloc in frame[frame["JobID"] == handle.job_id].iterrows():
-            mine = steps[steps["Attempt"] == alloc["Attempt"]]
-            rss = [_bytes(v) for v in mine.get("MaxRSS", []) if v]
-            tres = dict(item.split("=", 1) for item in str(alloc.get("AllocTRES", "")).split(",") if "=" in item)
-            rows.append({"job_id": handle.job_id, "run": handle.name, "attempt": int(alloc["Attempt"]),
-                         "state": alloc["State"], "exit_code": alloc["ExitCode"], "elapsed": alloc["Elapsed"],
-                         "elapsed_s": alloc["ElapsedSeconds"], "start": alloc["Start"], "end": alloc["End"],
-                         "nodes": int(alloc["NNodes"]), "gpus": int(tres["gres/gpu"]) if "gres/gpu" in tres else None,
-                         "max_rss_gb": round(max(rss) / 1e9, 3) if rss else None})
-    return pd.DataFrame(rows, columns=["job_id", "run", "attempt", "state", "exit_code", "elapsed", "elapsed_s",
-                                       "start", "end", "nodes", "gpus", "max_rss_gb"])
-
-
-def _bytes(text: str) -> float:
+def memory_bytes(text: str) -> float:
     """sacct's memory text ('541940K', '1.50G', '812M', '1024') as bytes."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
@@ -139,18 +90,6 @@ def render(frame: pd.DataFrame, fmt: str) -> str:
     if fmt == "json":
         return frame.to_json(orient="records", indent=1, date_format="iso")
     return text_table(frame.to_dict("records"))
-
-
-def status_frame(handles: Sequence[JobHandle]) -> pd.DataFrame:
-    """One status row per run (`JobHandle.summary`), swept values as columns, note last."""
-    rows = [h.summary() for h in handles]
-    columns = list(dict.fromkeys(k for row in rows for k in row if k != "note")) + ["note"]
-    return pd.DataFrame(rows, columns=columns)
-
-
-def status_table(handles: Sequence[JobHandle]) -> str:
-    """The runs as a left-aligned text table: one row per run, swept values as extra columns, note last."""
-    return render(status_frame(handles), "table")
 
 
 def text_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -189,7 +128,8 @@ class Progress:
 
     def __init__(self, label: str, total: int | None, enabled: bool = True, every_s: float = 10.0) -> None:
         self.label, self.total, self.enabled, self.every_s = label, total, enabled, every_s
-        self.mode = "off" if not enabled else "notebook" if _in_notebook() else "tty" if sys.stderr.isatty() else "lines"
+        self.mode = ("off" if not enabled else "notebook" if _in_notebook()
+                     else "tty" if sys.stderr.isatty() else "lines")
         self.began = time.monotonic()
         self.last: tuple[str, int | None, int] | None = None
         self.last_line = 0.0
@@ -203,7 +143,8 @@ class Progress:
     def text(self, state: str, step: int | None, requeues: int) -> str:
         of = f"/{self.total}" if self.total else ""
         again = f" · requeued {requeues}×" if requeues else ""
-        return f"{self.label}: {state} · step {step if step is not None else '-'}{of}{again} · {time.monotonic() - self.began:.0f} s"
+        return (f"{self.label}: {state} · step {step if step is not None else '-'}{of}{again} · "
+                f"{time.monotonic() - self.began:.0f} s")
 
     def update(self, state: str, step: int | None, requeues: int) -> None:
         now = (state, step, requeues)
@@ -215,7 +156,8 @@ class Progress:
 
             fraction = min(1.0, (step or 0) / self.total) if self.total else 0.0
             markup = (f'<div style="font-family:monospace"><progress value="{fraction:.3f}" max="1" '
-                    f'style="width:18em;vertical-align:middle"></progress> {html.escape(text, quote=False)}</div>')
+                      f'style="width:18em;vertical-align:middle"></progress> '
+                      f'{html.escape(text, quote=False)}</div>')
             data = {"text/plain": text, "text/html": markup}
             if self.handle is None:
                 self.handle = display(data, raw=True, display_id=True)
@@ -241,6 +183,11 @@ class Progress:
 # ---------------------------------------------------------------------------------- plotting
 
 
+# (train column, validation column, panel title) of each panel of `plot_metrics`
+_PANELS = (("loss", "val_loss", "loss"), ("psnr", "val_psnr", "PSNR (dB)"),
+           ("samples_per_second", None, "throughput (clips/s)"))
+
+
 def plot_metrics(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike | None = None,
                  title: str | None = None) -> Figure:
     """One figure of loss, PSNR and samples/s against step for one or more runs (label → metrics frame).
@@ -256,8 +203,6 @@ def plot_metrics(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike | N
     from matplotlib.lines import Line2D
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
-    panels = (("loss", "val_loss", "loss"), ("psnr", "val_psnr", "PSNR (dB)"),
-              ("samples_per_second", None, "throughput (clips/s)"))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     single = len(frames) == 1
     legend: dict[str, Line2D] = {}  # runs first, then the marker kinds
@@ -266,31 +211,9 @@ def plot_metrics(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike | N
         color = colors[i % len(colors)]
         if frame.empty:
             continue
-        train = frame[frame["event"] == "train"]
-        val = frame[frame["event"] == "val"]
-        for ax, (column, val_column, _) in zip(axes, panels):
-            if column in train and train[column].notna().any():
-                data = train[["step", column]].dropna()
-                ax.plot(data["step"], data[column], color=color, linewidth=1.5)
-            if val_column and val_column in val and val[val_column].notna().any():
-                data = val[["step", val_column]].dropna()
-                ax.plot(data["step"], data[val_column], "o", color=color, markersize=7, markerfacecolor="white",
-                        markeredgewidth=1.5)
         legend["train" if single else str(label)] = Line2D([], [], color=color, linewidth=1.5)
-        if "val_loss" in val or "val_psnr" in val:
-            kinds["validation"] = Line2D([], [], marker="o", linestyle="", markerfacecolor="white",
-                                          markeredgewidth=1.5, color=color if single else "0.3")
-        mark = "tab:red" if single else color
-        requeues = frame[frame["event"] == "requeue"]
-        for step in requeues["step"]:
-            for ax in axes:
-                ax.axvline(step, color=mark, linestyle="--", linewidth=1.2, alpha=0.9)
-        if not requeues.empty:
-            reasons = requeues["reason"] if "reason" in requeues else ["?"] * len(requeues)
-            what = ", ".join(f"{r} at step {int(s)}" for r, s in zip(reasons, requeues["step"]))
-            kinds[f"requeue ({what})" if single else "requeue"] = Line2D(
-                [], [], color=mark if single else "0.3", linestyle="--", linewidth=1.2)
-    for ax, (_, _, name) in zip(axes, panels):
+        kinds.update(_plot_run(axes, frame, color, single))
+    for ax, (_, _, name) in zip(axes, _PANELS):
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -299,7 +222,38 @@ def plot_metrics(frames: Mapping[str, pd.DataFrame], path: str | os.PathLike | N
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.07 if legend else 0, 1, 1))
     if legend:
-        fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend), frameon=False, fontsize=9)
+        fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=len(legend), frameon=False,
+                   fontsize=9)
     if path is not None:
         fig.savefig(path, dpi=100)
     return fig
+
+
+def _plot_run(axes: Any, frame: pd.DataFrame, color: str, single: bool) -> dict[str, Any]:
+    """One run's lines, validation circles and requeue marks on the panels; the legend entries it adds."""
+    from matplotlib.lines import Line2D
+
+    train, val = frame[frame["event"] == "train"], frame[frame["event"] == "val"]
+    for ax, (column, val_column, _) in zip(axes, _PANELS):
+        if column in train and train[column].notna().any():
+            data = train[["step", column]].dropna()
+            ax.plot(data["step"], data[column], color=color, linewidth=1.5)
+        if val_column and val_column in val and val[val_column].notna().any():
+            data = val[["step", val_column]].dropna()
+            ax.plot(data["step"], data[val_column], "o", color=color, markersize=7, markerfacecolor="white",
+                    markeredgewidth=1.5)
+    kinds: dict[str, Any] = {}
+    if "val_loss" in val or "val_psnr" in val:
+        kinds["validation"] = Line2D([], [], marker="o", linestyle="", markerfacecolor="white",
+                                     markeredgewidth=1.5, color=color if single else "0.3")
+    mark = "tab:red" if single else color
+    requeues = frame[frame["event"] == "requeue"]
+    for step in requeues["step"]:
+        for ax in axes:
+            ax.axvline(step, color=mark, linestyle="--", linewidth=1.2, alpha=0.9)
+    if not requeues.empty:
+        reasons = requeues["reason"] if "reason" in requeues else ["?"] * len(requeues)
+        what = ", ".join(f"{r} at step {int(s)}" for r, s in zip(reasons, requeues["step"]))
+        kinds[f"requeue ({what})" if single else "requeue"] = Line2D(
+            [], [], color=mark if single else "0.3", linestyle="--", linewidth=1.2)
+    return kinds

@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import ClusterConfig
+    from taehv_slurm.config import ClusterConfig
 
 PRIVATE_DIR_MODE = 0o700
-GROUP_DIR_MODE = 0o2750  # group may read (e.g. a project group looking at metrics), never write; setgid: new files keep the group
+# group may read (e.g. a project group looking at metrics), never write; setgid: new files keep the group
+GROUP_DIR_MODE = 0o2750
 PRIVATE_FILE_MODE = 0o600
 PRIVATE_UMASK = 0o077  # files 0600, folders 0700
 GROUP_UMASK = 0o027  # files 0640, folders 0750
@@ -62,7 +63,8 @@ def make_private_dir(path: str | os.PathLike, group: str | None = None) -> Path:
     created = [p for p in (path, *path.parents) if not os.path.lexists(p)]
     with private_umask(None):  # never briefly more open than 0700, whatever the caller's umask
         path.mkdir(parents=True, exist_ok=True)
-    for folder in [path, *[p for p in created if p != path]]:  # created parents too: the group must traverse them
+    # created parents too: the group must traverse them
+    for folder in [path, *[p for p in created if p != path]]:
         _restrict(folder, gid)
     return path
 
@@ -72,7 +74,8 @@ def _group_id(group: str) -> int:
         return grp.getgrnam(group).gr_gid
     except KeyError:
         raise UnsafePathError(f"group {group!r} (cluster config 'group') does not exist on this machine; "
-                              "set group to one `id -Gn` lists, or remove it to keep run folders owner-only") from None
+                              "set group to one `id -Gn` lists, "
+                              "or remove it to keep run folders owner-only") from None
 
 
 def _restrict(folder: Path, gid: int | None) -> None:
@@ -87,7 +90,8 @@ def _restrict(folder: Path, gid: int | None) -> None:
         os.chown(folder, -1, gid)
     except PermissionError:
         name = grp.getgrgid(gid).gr_name
-        raise UnsafePathError(f"cannot give {folder} to group {name!r}: you are not a member of it; set group in "
+        raise UnsafePathError(f"cannot give {folder} to group {name!r}: you are not a member of it; "
+                              "set group in "
                               "the cluster config to one `id -Gn` lists") from None
     os.chmod(folder, GROUP_DIR_MODE)
 
@@ -123,7 +127,8 @@ def check_safe_to_load(path: str | os.PathLike, root: str | os.PathLike | None =
             )
         if st.st_mode & 0o022:
             raise UnsafePathError(
-                f"refusing to load {path}: {item} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
+                f"refusing to load {path}: {item} is writable by group or others "
+                f"(mode {stat.S_IMODE(st.st_mode):04o}); "
                 f"run `chmod go-w {item}` if you trust its contents"
             )
     above = dict.fromkeys([*root_path.parents, *root_path.resolve().parents])
@@ -131,9 +136,11 @@ def check_safe_to_load(path: str | os.PathLike, root: str | os.PathLike | None =
         st = item.stat()
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
             fix = (f"run `chmod o-w {item}` or move the run folder" if st.st_uid == uid else
-                   f"move the run folder out of it (job_dir, or the executor folder) to a folder of your own; "
+                   f"move the run folder out of it (job_dir, or the executor folder) "
+                   f"to a folder of your own; "
                    f"{item} belongs to {_user(st.st_uid)}")
-            raise UnsafePathError(f"refusing to load {path}: {item} is writable by everyone without the sticky bit "
+            raise UnsafePathError(f"refusing to load {path}: {item} is writable by everyone "
+                                  "without the sticky bit "
                                   f"(mode {stat.S_IMODE(st.st_mode):04o}); {fix}")
 
 
@@ -167,7 +174,8 @@ def describe_secret_env(cluster: ClusterConfig, environ: Mapping[str, str] | Non
     listed = {part.split("=", 1)[0].strip() for part in (export or "").split(",")}
     left_out = sorted(n for n in cluster.secret_names() if n not in listed)
     if export and "ALL" not in {p.upper() for p in listed} and left_out:
-        line += f"; but sbatch --export={export} leaves out {', '.join(left_out)}: add ALL or those names to it"
+        line += (f"; but sbatch --export={export} leaves out {', '.join(left_out)}: "
+                 "add ALL or those names to it")
     return line
 
 

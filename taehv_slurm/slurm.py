@@ -28,9 +28,11 @@ FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF
                           "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
 SUCCESS_STATES = frozenset({"COMPLETED"})
 SCONTROL_ENV = "TAEHV_SCONTROL"  # scontrol's path on the nodes, found before the setup lines run
-NO_SLURM_HINT = "no Slurm here: use --local to run on this machine, or set SLURM_CONF to your cluster's slurm.conf"
+NO_SLURM_HINT = ("no Slurm here: use --local to run on this machine, "
+                 "or set SLURM_CONF to your cluster's slurm.conf")
 # What Slurm's commands say when they find no configuration (no slurm.conf, no DNS SRV record for configless).
-_NO_CONFIG_MARKS = ("Could not establish a configuration source", "_establish_config_source", "fetch_config: DNS SRV")
+_NO_CONFIG_MARKS = ("Could not establish a configuration source", "_establish_config_source",
+                    "fetch_config: DNS SRV")
 
 
 def no_slurm_reason(probe: bool = False) -> str | None:
@@ -41,7 +43,8 @@ def no_slurm_reason(probe: bool = False) -> str | None:
         return NO_SLURM_HINT
     conf = os.environ.get("SLURM_CONF")
     if conf and not os.path.isfile(conf):
-        return f"SLURM_CONF={conf} names no file: point it at your cluster's slurm.conf, or unset it (or use --local)"
+        return (f"SLURM_CONF={conf} names no file: point it at your cluster's slurm.conf, "
+                "or unset it (or use --local)")
     if probe and run(["sinfo", "-h", "-o", "%P"], timeout_s=30).error == NO_SLURM_HINT:
         return NO_SLURM_HINT
     return None
@@ -97,7 +100,8 @@ def scontrol_missing(host: str) -> str | None:
         return None
     given = os.environ.get(SCONTROL_ENV)
     where = f"{SCONTROL_ENV}={given} is not an executable" if given else f"scontrol is not on PATH on {host}"
-    return (f"{where} where the job starts, so it could never requeue itself: put Slurm's bin folder on PATH for "
+    return (f"{where} where the job starts, so it could never requeue itself: "
+            "put Slurm's bin folder on PATH for "
             f"jobs, or set {SCONTROL_ENV} in the cluster env to scontrol's path on the nodes")
 
 
@@ -132,10 +136,12 @@ def requeue_fix(error: str) -> str:
     text = error.lower()
     if "not found" in text:
         return "put Slurm's bin folder on PATH where jobs start (or set TAEHV_SCONTROL in the cluster env)"
-    if "unable to contact" in text or "did not answer" in text or "connection" in text or "configuration" in text:
+    if ("unable to contact" in text or "did not answer" in text or "connection" in text
+            or "configuration" in text):
         return "the Slurm controller was unreachable from the node; check `scontrol ping` there"
     if "disabled" in text or "not permitted" in text or "access" in text:
-        return "the cluster does not allow this job to be requeued (JobRequeue=0 or --no-requeue); ask its admins"
+        return ("the cluster does not allow this job to be requeued (JobRequeue=0 or --no-requeue); "
+                "ask its admins")
     return "see Slurm's answer above"
 
 
@@ -164,7 +170,8 @@ def sinfo(args: Sequence[str]) -> Answer:
     if answer.error == NO_SLURM_HINT:
         return answer
     if "did not answer" in answer.error:
-        return Answer(False, error="sinfo did not answer within 60 s: the Slurm controller is unreachable or overloaded")
+        return Answer(False, error="sinfo did not answer within 60 s: "
+                                   "the Slurm controller is unreachable or overloaded")
     return Answer(False, error=f"sinfo failed: {answer.error}")
 
 
@@ -200,7 +207,8 @@ def limit_minutes(limit: str) -> int | None:
 
 # ---------------------------------------------------------------------------------------- sacct
 
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "NTasks", "NodeList", "Submit", "Start",
+SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "NTasks", "NodeList", "Submit",
+                "Start",
                 "End", "MaxRSS", "AllocTRES")
 
 

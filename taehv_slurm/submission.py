@@ -6,7 +6,7 @@ Every run gets a private folder under the cluster's `job_dir`:
     <job_dir>/<run>/submitit/     submitit's pickles, sbatch script, one log per rank (<job>_<rank>_log.out)
     <job_dir>/<run>/checkpoints/  atomic checkpoints (`latest`)
     <job_dir>/<run>/metrics.jsonl per-step metrics written by rank 0
-    <job_dir>/<run>/events.jsonl  starts, requeues, failures, stops (taehv_slurm.requeue)
+    <job_dir>/<run>/events.jsonl  starts, requeues, failures, stops (taehv_slurm.runtime.context)
     <job_dir>/<run>/tb/           TensorBoard event files
 
 A sweep is one job array: `<job_dir>/<group>/submitit/` for the array and `<job_dir>/<group>/<point>/`
@@ -27,16 +27,18 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import slurm
-from .config import ClusterConfig, ConfigError
-from .executor import SubmissionError, describe_sbatch_error, make_executor
-from .handle import JobHandle
-from .picklecheck import check_picklable
-from .registry import read_registry, record_submission, run_name
-from .requeue import RequeueableTask, check_takes_context
-from .runlock import RunLock, describe_live
-from .security import check_safe_to_load, make_private_dir, private_umask
-from .submitit_api import FailedJobError
+from taehv_slurm import slurm
+from taehv_slurm.backends import backend_named, describe_live
+from taehv_slurm.config import ClusterConfig, ConfigError
+from taehv_slurm.executor import SubmissionError, describe_sbatch_error, make_executor
+from taehv_slurm.handle import JobHandle
+from taehv_slurm.messages import command
+from taehv_slurm.picklecheck import check_picklable
+from taehv_slurm.registry import read_registry, record_submission, run_name
+from taehv_slurm.runtime.requeue import RequeueableTask, check_takes_context
+from taehv_slurm.runtime.runlock import lock_holder
+from taehv_slurm.security import check_safe_to_load, make_private_dir, private_umask
+from taehv_slurm.submitit_api import FailedJobError
 
 
 class RunBusyError(RuntimeError):
@@ -62,7 +64,8 @@ def submit(task: Callable[..., Any], cluster: ClusterConfig, run_name: str | Non
                        requeueable=requeueable, records=[dict(record or {})], force=force)[0]
 
 
-def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run_names: Sequence[str] | None = None,
+def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig,
+                run_names: Sequence[str] | None = None,
                 *, extra_env: Mapping[str, str] | None = None, requeueable: bool = True,
                 records: Sequence[Mapping[str, Any]] | None = None, group_name: str | None = None,
                 force: bool = False) -> list[JobHandle]:
@@ -79,7 +82,8 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run
         check_picklable(task)
         if requeueable:
             check_takes_context(task)
-    if cluster.backend == "slurm" and (reason := slurm.no_slurm_reason(probe=True)):
+    backend = backend_named(cluster.backend)
+    if reason := backend.unavailable_reason():
         raise SubmissionError(reason)
     check_job_dir(cluster.job_dir)
     base = Path(cluster.job_dir)
@@ -89,49 +93,23 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run
         group_dir = base / (group_name or default_run_name(cluster.name))
         planned = [group_dir / name for name in (run_names or [f"run{i}" for i in range(len(tasks))])]
     take_over_runs(planned, base, force)
-    # The folders this call creates (outermost first) are removed again if the job is not submitted, so a
-    # refused submit leaves nothing behind; folders that existed before (a resumed run's) are never touched.
-    created = [p for p in (base, *([planned[0].parent] if len(tasks) > 1 else []), *planned) if not p.exists()]
-    try:
-        job_dir = make_private_dir(cluster.job_dir, cluster.group)
-        if len(tasks) == 1:
-            run_dirs = [job_dir / planned[0].relative_to(base)]
-            owner = run_dirs[0]
-        else:
-            owner = make_private_dir(job_dir / planned[0].parent.relative_to(base), cluster.group)
-            run_dirs = [owner / p.name for p in planned]
-        folder = owner / "submitit"  # the array's one folder for a sweep
-        for path in [*run_dirs, folder]:
-            make_private_dir(path, cluster.group)
-        check_safe_to_load(folder, owner)  # what the job's entry point will check: refuse now, not once it runs
-        wrapped = [
-            RequeueableTask(t, d, cluster.max_requeues, cluster.max_requeues_without_progress,
-                            cluster.requeue_on_failure, cluster.signal_delay_s, cluster.kill_wait_s) if requeueable else t
-            for t, d in zip(tasks, run_dirs)
-        ]
-        executor = make_executor(cluster, folder, extra_env, run_dir=owner)
-        # Taken before sbatch: events the job writes are never older than this (see JobHandle.events).
-        submitted_at = time.time()
-        # Private umask: the pickle and sbatch script, and the logs Slurm creates (it keeps the submitting umask).
-        # sbatch's refusal reaches the user once, as our one line: submitit would also print its raw lines.
-        with secrets_in_environ(cluster), private_umask(cluster.group), contextlib.redirect_stderr(io.StringIO()):
-            jobs = [executor.submit(wrapped[0])] if len(tasks) == 1 else executor.submit_array(wrapped)
-    except BaseException as err:
-        for path in reversed(created):
-            shutil.rmtree(path, ignore_errors=True)
-        if isinstance(err, FailedJobError):  # sbatch exited non-zero
-            raise SubmissionError(describe_sbatch_error(str(err))) from None
-        raise
+    if requeueable:
+        tasks = [RequeueableTask(t, d, cluster.max_requeues, cluster.max_requeues_without_progress,
+                                 cluster.requeue_on_failure, cluster.signal_delay_s, cluster.kill_wait_s,
+                                 backend)
+                 for t, d in zip(tasks, planned)]
+    jobs, folder, submitted_at = _submit_to_executor(tasks, planned, cluster, extra_env)
+    job_dir = Path(cluster.job_dir)
     handles = []
-    for job, run_dir, rec, task in zip(jobs, run_dirs, records or [{}] * len(tasks), tasks):
+    for job, run_dir, rec, task in zip(jobs, planned, records or [{}] * len(tasks), tasks):
         entry = {
             "job_id": str(job.job_id),
-            "run": run_dir.relative_to(job_dir).as_posix(),
+            "run": run_dir.relative_to(base).as_posix(),
             "folder_rel": folder.relative_to(job_dir).as_posix(),
             "run_dir": str(run_dir),
             "folder": str(folder),
             "backend": cluster.backend,
-            "task": type(task).__name__,
+            "task": task_name(task),
             "submitted_at": submitted_at,
             "nodes": cluster.nodes,
             "world_size": cluster.world_size,
@@ -141,6 +119,45 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig, run
         record_submission(job_dir, entry)
         handles.append(JobHandle(job, run_dir, cluster, entry))
     return handles
+
+
+def _submit_to_executor(tasks: Sequence[Callable[..., Any]], run_dirs: list[Path], cluster: ClusterConfig,
+                        extra_env: Mapping[str, str] | None) -> tuple[list[Any], Path, float]:
+    """Create the run folders (private) and submit: one job, or a job array whose submitit folder is the
+    group's. Returns (submitit jobs, the submitit folder, when). The folders this call creates are removed
+    again if the job is not submitted; folders that existed before (a resumed run's) are never touched."""
+    base = Path(cluster.job_dir)
+    owner = run_dirs[0] if len(tasks) == 1 else run_dirs[0].parent
+    created = [p for p in dict.fromkeys((base, owner, *run_dirs)) if not p.exists()]  # outermost first
+    try:
+        for path in dict.fromkeys((base, owner, *run_dirs, owner / "submitit")):
+            make_private_dir(path, cluster.group)
+        folder = owner / "submitit"  # the array's one folder for a sweep
+        # what the job's entry point will check: refuse now, not once it runs
+        check_safe_to_load(folder, owner)
+        executor = make_executor(cluster, folder, extra_env, run_dir=owner)
+        # Taken before sbatch: events the job writes are never older than this (see JobHandle.events).
+        submitted_at = time.time()
+        # Private umask: the pickle and sbatch script, and the logs Slurm creates (it keeps the submitting
+        # umask).
+        # sbatch's refusal reaches the user once, as our one line: submitit would also print its raw lines.
+        with (secrets_in_environ(cluster), private_umask(cluster.group),
+              contextlib.redirect_stderr(io.StringIO())):
+            jobs = [executor.submit(tasks[0])] if len(tasks) == 1 else executor.submit_array(list(tasks))
+    except BaseException as err:
+        for path in reversed(created):
+            shutil.rmtree(path, ignore_errors=True)
+        if isinstance(err, FailedJobError):  # sbatch exited non-zero
+            raise SubmissionError(describe_sbatch_error(str(err))) from None
+        raise
+    return jobs, folder, submitted_at
+
+
+def task_name(task: Any) -> str:
+    """What the registry calls a task: its class's name (the named class for a TaskRef)."""
+    inner = getattr(task, "task", task)  # inside a RequeueableTask
+    target = getattr(inner, "target", None)
+    return target.rpartition(":")[2] if isinstance(target, str) else type(inner).__name__
 
 
 def check_job_dir(job_dir: str | os.PathLike) -> None:
@@ -154,7 +171,8 @@ def check_job_dir(job_dir: str | os.PathLike) -> None:
         os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".taehv-probe-"))
     except OSError as err:
         where = "" if existing == path else f" (creating it in {existing})"
-        raise ConfigError(f"job_dir {job_dir}: cannot write there{where}: {err.strerror or err}; set job_dir to a "
+        raise ConfigError(f"job_dir {job_dir}: cannot write there{where}: {err.strerror or err}; "
+                          "set job_dir to a "
                           "folder you can write, on storage every node sees (--set job_dir=DIR)") from None
 
 
@@ -171,7 +189,7 @@ def take_over_runs(run_dirs: Sequence[Path], job_dir: Path, force: bool) -> None
             state = handle.state
             if not slurm.is_final(state):
                 live.append((run_dir, f"job {job_id} ({state})", handle))
-        holder = RunLock(run_dir, "", "").holder()
+        holder = lock_holder(run_dir)
         busy = describe_live(holder) if holder else None
         if busy and str(holder.get("job_id")) not in ids:
             live.append((run_dir, busy, None))
@@ -179,13 +197,15 @@ def take_over_runs(run_dirs: Sequence[Path], job_dir: Path, force: bool) -> None
         return
     if not force:
         run_dir, what, handle = live[0]
-        follow = f"follow it with `python -m jobs.logs {handle.job_id} --follow`, " if handle else ""
+        follow = f"follow it with `{command('logs')} {handle.job_id} --follow`, " if handle else ""
         raise RunBusyError(f"run {run_dir.relative_to(job_dir)} already has {what}: {follow}cancel it with "
-                           f"`python -m jobs.cancel {handle.job_id if handle else '<job id>'}`, or pass --force to cancel "
+                           f"`{command('cancel')} {handle.job_id if handle else '<job id>'}`, "
+                           "or pass --force to cancel "
                            "it (it saves) and take over, or use another --name")
     for run_dir, what, handle in live:
         if handle is None:
-            raise RunBusyError(f"run {run_dir.relative_to(job_dir)} is trained by {what}, which was not submitted to "
+            raise RunBusyError(f"run {run_dir.relative_to(job_dir)} is trained by {what}, "
+                               "which was not submitted to "
                                f"{job_dir}: cancel it where it was submitted, then submit again")
         handle.cancel()
     for _, _, handle in live:
@@ -196,7 +216,8 @@ def take_over_runs(run_dirs: Sequence[Path], job_dir: Path, force: bool) -> None
 @contextlib.contextmanager
 def secrets_in_environ(cluster: ClusterConfig) -> Iterator[None]:
     """Secret env values reach the job through sbatch's inherited environment — never a file."""
-    # '***' is a masked value (a config read back from the registry): the submitting environment's value stands.
+    # '***' is a masked value (a config read back from the registry): the submitting environment's value
+    # stands.
     secret = {k: v for k, v in cluster.env.items() if k in cluster.secret_names() and v != "***"}
     saved = {k: os.environ.get(k) for k in secret}
     os.environ.update(secret)

@@ -1,7 +1,7 @@
 """Sweeps: a grid of training-config values → one train config per point, and run folder names.
 
 `--sweep optim.lr=1e-4,2e-4 --sweep seed=0,1` (or {"optim.lr": [1e-4, 2e-4], "seed": [0, 1]} from Python)
-is every combination in order; a sweep is submitted as one job array (trainer.submit.submit_sweep).
+is every combination in order; a sweep is submitted as one job array (taehv_slurm.training.submit_sweep).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Any
 
 import yaml
 
-from .config import ConfigError, TrainConfig, load_train, split_overrides
+from taehv_slurm.config import ConfigError, TrainConfig, load_train, split_overrides
 
 
 def sweep_grid(items: list[str] | Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
-    """`["optim.lr=1e-4,2e-4", "seed=0,1"]` (or {"optim.lr": [1e-4, 2e-4], ...}) → every combination, in order.
+    """`["optim.lr=1e-4,2e-4", "seed=0,1"]` (or {"optim.lr": [1e-4, 2e-4], ...}) → every combination,
+    in order.
 
     Only training keys can be swept: a job array shares one cluster shape.
     """
@@ -27,7 +28,8 @@ def sweep_grid(items: list[str] | Mapping[str, Sequence[Any]]) -> list[dict[str,
     for key, values in pairs:
         cluster_keys, _ = split_overrides({key: None})  # raises on unknown keys, with a suggestion
         if cluster_keys:
-            raise ConfigError(f"--sweep {key}: only training keys can be swept (a job array shares one cluster "
+            raise ConfigError(f"--sweep {key}: only training keys can be swept "
+                              "(a job array shares one cluster "
                               f"shape); submit one job per {key} instead")
         if not values:
             raise ConfigError(f"--sweep {key}: no values; expected e.g. --sweep {key}=V1,V2")
@@ -46,7 +48,8 @@ def _parse_sweep_item(item: str) -> tuple[str, list[Any]]:
     return key.strip(), [yaml.safe_load(v) for v in values.split(",") if v.strip()]
 
 
-def sweep_trains(train: TrainConfig, grid: list[dict[str, Any]]) -> tuple[list[TrainConfig], list[dict[str, Any]]]:
+def sweep_trains(train: TrainConfig,
+                 grid: list[dict[str, Any]]) -> tuple[list[TrainConfig], list[dict[str, Any]]]:
     """One train config per sweep point, and the points with each value as the config holds it
     (YAML reads `1e-4` as text; the config coerces it to 0.0001, which is what the runs record)."""
     trains = [load_train(train.to_dict(), **point) for point in grid]

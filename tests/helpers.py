@@ -9,19 +9,22 @@ import os
 import select
 import struct
 import subprocess
+import sys
 import termios
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.checkpoint import Checkpointer
 from taehv_slurm.config import ClusterConfig, TrainConfig, load_cluster, load_train
+from taehv_slurm.runtime.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
-# The environment submitit's local executor gives the single task of job 4242 (for running the entry point directly).
+# The environment submitit's local executor gives the single task of job 4242 (for running the entry point
+# directly).
 LOCAL_TASK_ENV = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "4242", "SUBMITIT_LOCAL_NTASKS": "1",
-                  "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_GLOBALID": "0",
+                  "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0",
+                  "SUBMITIT_LOCAL_GLOBALID": "0",
                   "SUBMITIT_LOCAL_LOCALID": "0"}
 
 
@@ -32,6 +35,20 @@ def make_cluster(job_dir: Path, **overrides: Any) -> ClusterConfig:
 
 def tiny_train(**overrides: Any) -> TrainConfig:
     return load_train(REPO / "configs/train/tiny.yaml", **overrides)
+
+
+# Launcher variables of the test process that a user's shell would not have.
+_NOT_A_USERS_SHELL = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TAEHV_JOB_DIR")
+
+
+def cli(*args: str, cwd: Path = REPO, env: Mapping[str, str] | None = None,
+        timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m ARGS` as a user runs it from a checkout (e.g. cli("jobs.submit", "--local", ...)): the
+    checkout on PYTHONPATH, the test session's launcher variables and job_dir left out; `env` adds to it."""
+    base = {k: v for k, v in os.environ.items() if k not in _NOT_A_USERS_SHELL}
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd,
+                          env={**base, "PYTHONPATH": str(REPO), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.5) -> Any:
@@ -65,10 +82,12 @@ def final_state(run_dir: Path) -> tuple[int, dict, dict]:
 
 
 def job_state(job_id: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
+                         text=True).stdout.strip()
     if out:
         return out
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"], capture_output=True, text=True).stdout
+    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"], capture_output=True,
+                         text=True).stdout
     return out.strip().splitlines()[-1].split()[0] if out.strip() else "UNKNOWN"
 
 
@@ -85,7 +104,8 @@ def assert_identical(a: dict, b: dict, what: str = "state") -> None:
         if isinstance(a[key], dict):
             assert_identical(a[key], b[key], f"{what}.{key}")
         elif torch.is_tensor(a[key]):
-            assert torch.equal(a[key], b[key]), f"{what}.{key} differs (max {float((a[key] - b[key]).abs().max())})"
+            assert torch.equal(a[key], b[key]), (f"{what}.{key} differs "
+                                                 f"(max {float((a[key] - b[key]).abs().max())})")
         else:
             assert a[key] == b[key], f"{what}.{key}: {a[key]!r} != {b[key]!r}"
 
@@ -96,7 +116,8 @@ def mounted_tmpfs(mount: Path, options: str) -> Iterator[Path]:
     import pytest
 
     mount.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True, text=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True,
+                            text=True)
     if result.returncode != 0:
         pytest.fail(f"cannot mount a tmpfs ({options}) for this test (needs root): {result.stderr.strip()}")
     try:
@@ -106,7 +127,8 @@ def mounted_tmpfs(mount: Path, options: str) -> Iterator[Path]:
 
 
 def in_terminal(argv: list[str], cwd: Path, columns: int = 150, timeout: float = 600) -> tuple[int, str]:
-    """Run argv with a pseudo-terminal as stdin/stdout/stderr, as in an interactive shell: (exit code, output)."""
+    """Run argv with a pseudo-terminal as stdin/stdout/stderr, as in an interactive shell: (exit code,
+    output)."""
     parent, child = os.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": str(columns)}

@@ -12,12 +12,14 @@ testbeds (say a developer's and CI's) can run side by side. `start` keeps a test
 there with the same configuration, else restarts it clean; `stop` ends only the daemons this testbed
 started, by pid, and every process of its jobs, and leaves the folder for inspection. Needs root and
 Debian's slurm-wlm, munge, slurmdbd and mariadb-server (scripts/setup.sh installs them).
+
+The daemons are started and stopped here; the files they read (slurm.conf, gres.conf, slurmdbd.conf) and
+MariaDB's settings are written by tests/slurm_testbed_config.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import secrets
 import shutil
@@ -30,6 +32,17 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from tests.slurm_testbed_config import (
+    CLUSTER_NAME,
+    PARTITION,
+    TestbedError,
+    accounting_db_sql,
+    mariadbd_argv,
+    slurm_conf,
+    write_config_files,
+)
+from tests.testbed_processes import CHILDREN, alive, other_slurm_daemons, read, terminate, uts, wait_until
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ROOT = REPO / ".testbed"
 
@@ -37,21 +50,10 @@ DEFAULT_ROOT = REPO / ".testbed"
 # or MariaDB's (3306), below the ephemeral range (32768+), and two testbeds (a developer's left running,
 # CI's in a fresh clone on the same machine) can run side by side. Offsets in the block:
 PORT_BLOCK, CTLD_OFFSET, DBD_OFFSET, DB_OFFSET, FIRST_NODE_OFFSET = 50, 0, 1, 2, 10
-CLUSTER_NAME, PARTITION = "taehvtb", "tb"
-DB_NAME, DB_USER = "slurm_acct_db", "slurm"
 SETUP_HINT = "run `bash scripts/setup.sh` as root to install Slurm, munge and MariaDB"
 # Unix sockets (MariaDB's, slurmd's per-step ones under the spool) must fit in 108 bytes.
 MAX_ROOT_CHARS = 70
 
-# Popen objects of the daemons this Python process started, by pid: kept so they can be reaped
-# (waited for) when stopped, instead of lingering as zombies of the test process.
-_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
-
-
-class TestbedError(RuntimeError):
-    """The testbed could not start; the first line of the message says why."""
-
-    __test__ = False  # not a pytest test class, despite its name
 
 
 class Testbed:
@@ -62,13 +64,15 @@ class Testbed:
     def __init__(self, root: Path | str = DEFAULT_ROOT, nodes: int = 2, gpus_per_node: int = 8,
                  cpus_per_node: int = 16, accounting: bool = True) -> None:
         if not 1 <= nodes <= PORT_BLOCK - FIRST_NODE_OFFSET or gpus_per_node < 0 or cpus_per_node < 1:
-            raise ValueError(f"bad testbed shape: nodes={nodes} gpus_per_node={gpus_per_node} cpus_per_node={cpus_per_node}")
+            raise ValueError(f"bad testbed shape: nodes={nodes} gpus_per_node={gpus_per_node} "
+                             f"cpus_per_node={cpus_per_node}")
         self.root = Path(root).resolve()
         self.nodes, self.gpus_per_node, self.cpus_per_node = nodes, gpus_per_node, cpus_per_node
         self.accounting = accounting
         self.etc, self.run, self.log = self.root / "etc", self.root / "run", self.root / "log"
         self.base_port = 17000 + PORT_BLOCK * (zlib.crc32(str(self.root).encode()) % 300)
-        self.ctld_port, self.dbd_port, self.db_port = (self.base_port + o for o in (CTLD_OFFSET, DBD_OFFSET, DB_OFFSET))
+        self.ctld_port, self.dbd_port, self.db_port = (self.base_port + o
+                                                       for o in (CTLD_OFFSET, DBD_OFFSET, DB_OFFSET))
         # True when start() found this very testbed already up (e.g. started by the CLI) and kept it.
         self.reused = False
 
@@ -109,7 +113,7 @@ class Testbed:
         self.stop()
         self._check_ports_free()
         try:
-            self._prepare_files()
+            write_config_files(self)
             self._start_munge()
             if self.accounting:
                 self._start_mariadb()
@@ -121,7 +125,8 @@ class Testbed:
             raise
 
     def _preflight(self) -> None:
-        tools = ["slurmctld", "slurmd", "sinfo", "sbatch", "scontrol", "munged", "munge", "unshare", "hostname"]
+        tools = ["slurmctld", "slurmd", "sinfo", "sbatch", "scontrol", "munged", "munge", "unshare",
+                 "hostname"]
         if self.accounting:
             tools += ["slurmdbd", "sacctmgr", "mariadbd", "mariadb-install-db", "mysql", "mysqladmin"]
         missing = [t for t in tools if not _which(t)]
@@ -134,21 +139,24 @@ class Testbed:
             raise TestbedError(f"Slurm testbed: folder path {self.root} is longer than {MAX_ROOT_CHARS} "
                                "characters, too long for its unix sockets: use a shorter --dir")
 
-    def _node_port(self, index: int) -> int:
+    def node_port(self, index: int) -> int:
+        """The port of the slurmd of node `index` (0 for tb1)."""
         return self.base_port + FIRST_NODE_OFFSET + index
 
     def _ports(self) -> dict[int, str]:
-        ports = {self.ctld_port: "slurmctld"} | {self._node_port(i): f"slurmd {n}" for i, n in enumerate(self.node_names)}
+        ports = {self.ctld_port: "slurmctld"}
+        ports |= {self.node_port(i): f"slurmd {n}" for i, n in enumerate(self.node_names)}
         if self.accounting:
             ports |= {self.dbd_port: "slurmdbd", self.db_port: "MariaDB"}
         return ports
 
     def _daemon_names(self) -> list[str]:
-        return (["mariadbd", "slurmdbd"] if self.accounting else []) + ["slurmctld"] + [f"slurmd-{n}" for n in self.node_names]
+        return ((["mariadbd", "slurmdbd"] if self.accounting else []) + ["slurmctld"]
+                + [f"slurmd-{n}" for n in self.node_names])
 
     def _already_up(self) -> bool:
         """This root's testbed, with exactly this configuration, runs and answers."""
-        if not self.conf.exists() or self.conf.read_text() != self._slurm_conf() or not _munge_works():
+        if not self.conf.exists() or self.conf.read_text() != slurm_conf(self) or not _munge_works():
             return False
         running = self._recorded_pids()
         if any(name not in running for name in self._daemon_names()):
@@ -164,84 +172,9 @@ class Testbed:
             with socket.socket() as probe:
                 probe.settimeout(0.5)
                 if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    raise TestbedError(f"Slurm testbed: port {port} (for {what}) is already in use, by a daemon "
-                                       f"this testbed ({self.root}) did not start: stop that Slurm/testbed first")
-
-    def _prepare_files(self) -> None:
-        for sub in ("etc", "run", "log", "dev", "spool/ctld", *(f"spool/{n}" for n in self.node_names)):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-        # gres drops GPUs without device files; plain files are enough for Slurm to count them.
-        for i in range(self.gpus_per_node):
-            (self.root / "dev" / f"nvidia{i}").touch()
-        _map_to_loopback(self.node_names)
-        if self.accounting:
-            password_file = self.etc / "db.password"
-            if not password_file.exists():
-                password_file.touch(mode=0o600)
-                password_file.write_text(secrets.token_hex(16))
-            # slurmdbd has no option for its config: it reads slurmdbd.conf beside SLURM_CONF.
-            _write_private(self.etc / "slurmdbd.conf", "\n".join([
-                "AuthType=auth/munge", "DbdHost=localhost", f"DbdPort={self.dbd_port}", "SlurmUser=root",
-                "StorageType=accounting_storage/mysql", "StorageHost=127.0.0.1", f"StoragePort={self.db_port}",
-                f"StorageUser={DB_USER}", f"StoragePass={password_file.read_text().strip()}", f"StorageLoc={DB_NAME}",
-                f"LogFile={self.log}/slurmdbd.log", f"PidFile={self.run}/slurmdbd.own.pid",
-            ]) + "\n")
-        self.conf.write_text(self._slurm_conf())
-        gres = ""
-        if self.gpus_per_node:
-            files = "nvidia0" if self.gpus_per_node == 1 else f"nvidia[0-{self.gpus_per_node - 1}]"
-            gres = f"Name=gpu File={self.root}/dev/{files}\n"
-        (self.etc / "gres.conf").write_text(gres)
-
-    def _slurm_conf(self) -> str:
-        r = self.root
-        lines = [
-            f"ClusterName={CLUSTER_NAME}",
-            "SlurmctldHost=localhost(127.0.0.1)",
-            f"SlurmctldPort={self.ctld_port}",
-            "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge",
-            # A requeued job may only start again once its old credential expired (default 120 s).
-            "AuthInfo=cred_expire=10",
-            f"StateSaveLocation={r}/spool/ctld", f"SlurmdSpoolDir={r}/spool/%n",
-            f"SlurmctldPidFile={r}/run/slurmctld.own.pid", f"SlurmdPidFile={r}/run/slurmd-%n.own.pid",
-            f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd-%n.log",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none", "SwitchType=switch/none",
-            # CR_Core: several small jobs share a node concurrently, each with its own cores and GPUs.
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "JobRequeue=1", "ReturnToService=2", "KillWait=30", "InactiveLimit=0",
-            # Lets a 2-core machine declare 16 CPUs per node (enough for 8 tasks) and any memory.
-            "SlurmdParameters=config_overrides",
-            # Jobs start on the main scheduler's periodic pass: every second (default 60 s), so a job starts
-            # ~0.5 s after sbatch and a requeued one as soon as its old credential expired. Backfill (which
-            # lets small jobs pass a blocked big one) cycles every 2 s instead of 30.
-            "SchedulerParameters=sched_interval=1,bf_interval=2",
-            # Finished jobs stay in squeue (state COMPLETED/FAILED) for 5 min: tests read the final state
-            # there even without accounting; with it, sacct has it within a second anyway.
-            "MinJobAge=300",
-            "JobCompType=jobcomp/none", "MailProg=/bin/true",  # no mail on this machine: keeps the log clean
-        ]
-        if self.gpus_per_node:
-            lines.append("GresTypes=gpu")
-        if self.accounting:
-            lines += ["AccountingStorageType=accounting_storage/slurmdbd", "AccountingStorageHost=localhost",
-                      f"AccountingStoragePort={self.dbd_port}", "JobAcctGatherType=jobacct_gather/linux",
-                      # Sampled every second (Slurm's default is 30 s): a step of the tests' short jobs that is
-                      # ended by a requeue may otherwise never be sampled, and sacct shows no MaxRSS for it.
-                      "JobAcctGatherFrequency=task=1"]
-            if self.gpus_per_node:  # GPUs in each job's accounting (AllocTRES), as sites that bill GPUs set it
-                lines.append("AccountingStorageTRES=gres/gpu")
-        else:
-            lines += ["AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none"]
-        memory_mb = max(1000, _memory_mb() // self.nodes)  # only checked against --mem requests (CR_Core)
-        gres = f" Gres=gpu:{self.gpus_per_node}" if self.gpus_per_node else ""
-        for i, name in enumerate(self.node_names):
-            lines.append(f"NodeName={name} NodeAddr=127.0.0.1 Port={self._node_port(i)} CPUs={self.cpus_per_node} "
-                         f"Boards=1 SocketsPerBoard=1 CoresPerSocket={self.cpus_per_node} ThreadsPerCore=1 "
-                         f"RealMemory={memory_mb}{gres} State=UNKNOWN")
-        lines.append(f"PartitionName={PARTITION} Nodes={','.join(self.node_names)} Default=YES "
-                     "MaxTime=INFINITE State=UP")
-        return "\n".join(lines) + "\n"
+                    raise TestbedError(f"Slurm testbed: port {port} (for {what}) is already in use, "
+                                       f"by a daemon this testbed ({self.root}) did not start: "
+                                       f"stop that Slurm/testbed first")
 
     def _start_munge(self) -> None:
         if _munge_works():
@@ -251,8 +184,8 @@ class Testbed:
             Path(folder).mkdir(parents=True, exist_ok=True)
         if not key.exists():
             key.write_bytes(secrets.token_bytes(1024))
-        subprocess.run(["chown", "-R", "munge:munge", "/etc/munge", "/var/lib/munge", "/var/log/munge", "/run/munge"],
-                       check=True)
+        subprocess.run(["chown", "-R", "munge:munge", "/etc/munge", "/var/lib/munge", "/var/log/munge",
+                        "/run/munge"], check=True)
         key.chmod(0o400)
         # As the munge user, in the foreground (so its pid is ours to stop and reap); --force: a munged
         # killed earlier may have left its socket behind.
@@ -265,39 +198,30 @@ class Testbed:
         if not (datadir / ".installed").exists():  # once per root: ~3 s
             shutil.rmtree(datadir, ignore_errors=True)
             with open(self.log / "mariadb-install.log", "wb") as out:
-                done = subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={datadir}", "--user=root",
+                done = subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={datadir}",
+                                       "--user=root",
                                        "--auth-root-authentication-method=socket", "--skip-test-db"],
                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             if done.returncode != 0:
-                raise TestbedError(f"Slurm testbed: mariadb-install-db failed; {_tail(self.log / 'mariadb-install.log')}")
+                raise TestbedError(f"Slurm testbed: mariadb-install-db failed; "
+                                   f"{_tail(self.log / 'mariadb-install.log')}")
             (datadir / ".installed").touch()
-        self._spawn("mariadbd", [
-            "mariadbd", "--no-defaults", f"--datadir={datadir}", f"--socket={sock}", f"--port={self.db_port}",
-            "--bind-address=127.0.0.1", f"--pid-file={self.run}/mariadbd.own.pid", f"--log-error={self.log}/mariadbd.log",
-            "--user=root", "--skip-name-resolve",
-            # A throwaway database: no fsync per commit (each job start and end is one); and the sizes
-            # slurmdbd checks for, so it logs no "not recommended" error.
-            "--innodb-flush-log-at-trx-commit=2", "--innodb-buffer-pool-size=512M",
-            "--innodb-lock-wait-timeout=900",
-        ])
+        self._spawn("mariadbd", mariadbd_argv(self, datadir, sock))
         self._wait(lambda: _ok(["mysqladmin", "--no-defaults", f"--socket={sock}", "ping"]), 60, "MariaDB",
                    self.log / "mariadbd.log", "mariadbd")
-        password = (self.etc / "db.password").read_text().strip()
-        account = f"'{DB_USER}'@'127.0.0.1'"  # slurmdbd connects over TCP; --skip-name-resolve: by address
-        sql = (f"CREATE DATABASE IF NOT EXISTS {DB_NAME};"
-               f"CREATE USER IF NOT EXISTS {account} IDENTIFIED BY '{password}';"
-               f"ALTER USER {account} IDENTIFIED BY '{password}';"
-               f"GRANT ALL ON {DB_NAME}.* TO {account};")
+        sql = accounting_db_sql((self.etc / "db.password").read_text().strip())
         # The SQL goes through stdin so the password never shows in `ps`.
         done = subprocess.run(["mysql", "--no-defaults", f"--socket={sock}", "-u", "root"], input=sql,
                               capture_output=True, text=True)
         if done.returncode != 0:
-            raise TestbedError(f"Slurm testbed: creating the accounting database failed: {done.stderr.strip()}")
+            raise TestbedError(f"Slurm testbed: creating the accounting database failed: "
+                               f"{done.stderr.strip()}")
 
     def _start_slurmdbd(self) -> None:
         self._spawn("slurmdbd", ["slurmdbd", "-D"])
         clusters = ["sacctmgr", "-n", "-P", "list", "cluster", "format=cluster"]
-        self._wait(lambda: _run(clusters, self.env) is not None, 60, "slurmdbd", self.log / "slurmdbd.log", "slurmdbd")
+        self._wait(lambda: _run(clusters, self.env) is not None, 60, "slurmdbd", self.log / "slurmdbd.log",
+                   "slurmdbd")
         if CLUSTER_NAME not in (_run(clusters, self.env, check=True) or "").split():
             _run(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], self.env, check=True)
 
@@ -311,17 +235,19 @@ class Testbed:
     def _start_slurmds(self) -> None:
         for name in self.node_names:
             # Own UTS namespace: the node's tasks see `hostname` == tbN. exec keeps one pid for the daemon.
-            self._spawn(f"slurmd-{name}", ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec slurmd -D -N "$0" -f "$1"',
+            self._spawn(f"slurmd-{name}", ["unshare", "--uts", "sh", "-c",
+                                           'hostname "$0" && exec slurmd -D -N "$0" -f "$1"',
                                            name, str(self.conf)])
         names = self.node_names
 
         def all_idle() -> bool:
             for name in names:
-                if not self._daemon_alive(f"slurmd-{name}"):
-                    raise TestbedError(f"Slurm testbed: slurmd {name} exited during start-up; "
-                                       f"{_tail(self.log / f'slurmd-{name}.log', self.log / f'slurmd-{name}.out')}")
-            states = dict(line.split() for line in (_run(["sinfo", "-h", "-N", "-o", "%N %t"], self.env) or "").splitlines()
-                          if len(line.split()) == 2)
+                if not self._daemonalive(f"slurmd-{name}"):
+                    raise TestbedError(
+                        f"Slurm testbed: slurmd {name} exited during start-up; "
+                        f"{_tail(self.log / f'slurmd-{name}.log', self.log / f'slurmd-{name}.out')}")
+            states = dict(line.split() for line in (_run(["sinfo", "-h", "-N", "-o", "%N %t"], self.env)
+                                                    or "").splitlines() if len(line.split()) == 2)
             return all(states.get(n) == "idle" for n in names)
 
         self._wait(all_idle, 60, "the nodes (idle)", self.log / "slurmctld.log")
@@ -333,26 +259,28 @@ class Testbed:
             return
         pids = self._recorded_pids()
         if "slurmctld" in pids:
-            # Cancel what still runs, so accounting closes those jobs (CANCELLED) instead of leaving them RUNNING.
+            # Cancel what still runs, so accounting closes those jobs (CANCELLED) instead of leaving them
+            # RUNNING.
             ids = (_run(["squeue", "-h", "-o", "%A"], self.env) or "").split()
             if ids:
                 _run(["scancel", *ids], self.env)
         slurmds = [pid for name, pid in pids.items() if name.startswith("slurmd-")]
-        namespaces = {_uts(pid) for pid in slurmds}
+        namespaces = {uts(pid) for pid in slurmds}
         # Give cancelled tasks a moment to end on SIGTERM; then SIGKILL what is left (submitit's tasks ignore
         # SIGTERM, and Slurm would wait KillWait=30 s): slurmstepd and the tasks, which would outlive slurmd
         # and which slurmd would otherwise wait for before it exits.
-        _wait_until(lambda: not self._job_processes(namespaces, exclude=slurmds), 2)
-        _terminate(self._job_processes(namespaces, exclude=slurmds), sig=signal.SIGKILL)
-        _terminate(slurmds)
-        _terminate(self._job_processes(namespaces, exclude=[]), sig=signal.SIGKILL)  # in case slurmd forked more
+        wait_until(lambda: not self._job_processes(namespaces, exclude=slurmds), 2)
+        terminate(self._job_processes(namespaces, exclude=slurmds), sig=signal.SIGKILL)
+        terminate(slurmds)
+        # in case slurmd forked more
+        terminate(self._job_processes(namespaces, exclude=[]), sig=signal.SIGKILL)
         for name in ("slurmctld", "slurmdbd", "mariadbd"):
             if name in pids:
-                _terminate([pids[name]], timeout_s=20)
+                terminate([pids[name]], timeout_s=20)
         # The munged we started may since serve another Slurm (another testbed, which found it running and
         # so reused it): then it stays up for that one.
-        if "munged" in pids and not _other_slurm_daemons():
-            _terminate([pids["munged"]])
+        if "munged" in pids and not other_slurm_daemons():
+            terminate([pids["munged"]])
         for pid_file in self.run.glob("*.pid"):
             pid_file.unlink(missing_ok=True)
 
@@ -371,22 +299,24 @@ class Testbed:
             if self._is_ours(name, pid):
                 found[name] = pid
             else:
-                pid_file.unlink(missing_ok=True)  # stale: that process is gone, or the pid now is someone else's
+                # stale: that process is gone, or the pid now is someone else's
+                pid_file.unlink(missing_ok=True)
         return found
 
     def _is_ours(self, name: str, pid: int) -> bool:
-        if not _alive(pid):
+        if not alive(pid):
             return False
         if name == "munged":
-            return _read(f"/proc/{pid}/comm").strip() == "munged"
+            return read(f"/proc/{pid}/comm").strip() == "munged"
         # Every daemon we start names the root in its command line or (slurmdbd) in SLURM_CONF.
         marker = str(self.root)
-        return marker in _read(f"/proc/{pid}/cmdline").replace("\0", " ") or marker in _read(f"/proc/{pid}/environ")
+        return (marker in read(f"/proc/{pid}/cmdline").replace("\0", " ")
+                or marker in read(f"/proc/{pid}/environ"))
 
-    def _daemon_alive(self, name: str) -> bool:
+    def _daemonalive(self, name: str) -> bool:
         pid_file = self.run / f"{name}.pid"
         try:
-            return _alive(int(pid_file.read_text().split()[0]))
+            return alive(int(pid_file.read_text().split()[0]))
         except (OSError, ValueError, IndexError):
             return False
 
@@ -397,31 +327,34 @@ class Testbed:
         host's) where a process carries this testbed's SLURM_CONF: the node of a slurmd that died, whose
         slurmstepds (they inherit slurmd's environment) and tasks live on.
         """
-        host, marker = _uts(os.getpid()), f"SLURM_CONF={self.conf}\0"
-        processes = {int(e.name): _uts(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit()}
+        host, marker = uts(os.getpid()), f"SLURM_CONF={self.conf}\0"
+        processes = {int(e.name): uts(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit()}
         nodes = set(namespaces) | {ns for pid, ns in processes.items()
-                                   if ns != host and marker in _read(f"/proc/{pid}/environ")}
+                                   if ns != host and marker in read(f"/proc/{pid}/environ")}
         nodes -= {host, ""}
         skip = set(exclude) | {os.getpid()}
-        return [pid for pid, ns in processes.items() if ns in nodes and pid not in skip and _alive(pid)]
+        return [pid for pid, ns in processes.items() if ns in nodes and pid not in skip and alive(pid)]
 
     # ---------------------------------------------------------------------------------- helpers
     def _spawn(self, name: str, argv: list[str], user: str | None = None) -> None:
         with open(self.log / f"{name}.out", "ab") as out:
             proc = subprocess.Popen(argv, env=_environ(self.env), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True,  # no Ctrl-C from our terminal
+                                    stderr=subprocess.STDOUT,
+                                    start_new_session=True,  # no Ctrl-C from our terminal
                                     user=user, group=user, extra_groups=[] if user else None)
-        _CHILDREN[proc.pid] = proc
+        CHILDREN[proc.pid] = proc
         (self.run / f"{name}.pid").write_text(f"{proc.pid}\n")
 
-    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str, log: Path, daemon: str | None = None) -> None:
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str, log: Path,
+              daemon: str | None = None) -> None:
         """Poll `ready` until it is true; fail fast if `daemon` exits meanwhile, with its log's tail."""
         deadline = time.monotonic() + timeout_s
         while True:
             if ready():
                 return
-            if daemon and not self._daemon_alive(daemon):
-                raise TestbedError(f"Slurm testbed: {what} exited during start-up; {_tail(log, self.log / f'{daemon}.out')}")
+            if daemon and not self._daemonalive(daemon):
+                raise TestbedError(f"Slurm testbed: {what} exited during start-up; "
+                                   f"{_tail(log, self.log / f'{daemon}.out')}")
             if time.monotonic() > deadline:
                 raise TestbedError(f"Slurm testbed: {what} not ready after {timeout_s:.0f} s; {_tail(log)}")
             time.sleep(0.1)
@@ -457,7 +390,8 @@ def _run(argv: list[str], env: Mapping[str, str], check: bool = False, timeout_s
         return None
     if done.returncode != 0:
         if check:
-            raise TestbedError(f"Slurm testbed: `{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
+            raise TestbedError(f"Slurm testbed: `{' '.join(argv)}` failed: "
+                               f"{(done.stderr or done.stdout).strip()}")
         return None
     return done.stdout
 
@@ -470,105 +404,25 @@ def _munge_works() -> bool:
     return _ok(["munge", "-n"])
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _uts(pid: int) -> str:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/uts")
-    except OSError:
-        return ""
-
-
-def _alive(pid: int) -> bool:
-    child = _CHILDREN.get(pid)
-    if child is not None:
-        if child.poll() is None:
-            return True
-        del _CHILDREN[pid]  # reaped
-        return False
-    stat = _read(f"/proc/{pid}/stat")
-    return bool(stat) and stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")  # a zombie is dead
-
-
-def _wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-def _terminate(pids: list[int], sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10) -> None:
-    """Send `sig` to each pid, wait for all to end, SIGKILL the ones that would not."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-    if not _wait_until(lambda: not any(map(_alive, pids)), timeout_s):
-        for pid in filter(_alive, pids):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        _wait_until(lambda: not any(map(_alive, pids)), 5)
-
-
-def _other_slurm_daemons() -> list[int]:
-    """Slurm daemons still running on this machine (called once ours are stopped: so, someone else's)."""
-    names = {"slurmctld", "slurmd", "slurmdbd", "slurmstepd"}
-    return [int(p.name) for p in Path("/proc").iterdir()
-            if p.name.isdigit() and _read(f"{p}/comm").strip() in names and _alive(int(p.name))]
-
-
 def _tail(*logs: Path, lines: int = 15) -> str:
     """The last lines of the first of `logs` that has any (a daemon's log file, else its stdout)."""
     for log in logs:
-        text = _read(str(log)).rstrip()
+        text = read(str(log)).rstrip()
         if text:
             return f"last lines of {log}:\n" + "\n".join(text.splitlines()[-lines:])
     return f"nothing logged in {', '.join(map(str, logs))}"
 
 
-def _write_private(path: Path, text: str) -> None:
-    path.touch(mode=0o600)
-    path.chmod(0o600)  # slurmdbd refuses a slurmdbd.conf others can read (it holds the DB password)
-    path.write_text(text)
-
-
-def _memory_mb() -> int:
-    for line in _read("/proc/meminfo").splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) // 1024
-    return 4000
-
-
-def _map_to_loopback(names: list[str]) -> None:
-    """Make the node names resolve to 127.0.0.1 (MASTER_ADDR is the first node's name), idempotently."""
-    hosts = Path("/etc/hosts")
-    known: dict[str, str] = {}
-    for line in hosts.read_text().splitlines():
-        fields = line.split("#", 1)[0].split()
-        for name in fields[1:]:
-            known.setdefault(name, fields[0])
-    wrong = [f"{n} -> {known[n]}" for n in names if n in known and not known[n].startswith("127.")]
-    if wrong:
-        raise TestbedError(f"Slurm testbed: /etc/hosts maps {', '.join(wrong)}, not to 127.0.0.1: fix /etc/hosts")
-    missing = [n for n in names if n not in known]
-    if missing:
-        with hosts.open("a") as out:
-            out.write(f"127.0.0.1 {' '.join(missing)}  # taehv-slurm testbed nodes\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.slurm_testbed",
-                                     description="A real multi-node Slurm cluster on this machine (needs root).")
+                                     description="A real multi-node Slurm cluster on this machine "
+                                                 "(needs root).")
     parser.add_argument("action", choices=["start", "stop", "status"])
-    parser.add_argument("--dir", type=Path, default=DEFAULT_ROOT, help="state folder (default: <repo>/.testbed)")
+    parser.add_argument("--dir", type=Path, default=DEFAULT_ROOT,
+                        help="state folder (default: <repo>/.testbed)")
     parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--no-accounting", action="store_true", help="no slurmdbd/MariaDB (sacct will not work)")
+    parser.add_argument("--no-accounting", action="store_true",
+                        help="no slurmdbd/MariaDB (sacct will not work)")
     args = parser.parse_args(argv)
     bed = Testbed(args.dir, nodes=args.nodes, accounting=not args.no_accounting)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from taehv_slurm.checkpoint import Checkpointer
+from taehv_slurm.runtime.checkpoint import Checkpointer
 
 
 class CrashAfterStart:
@@ -40,8 +40,8 @@ class CountingTask:
     steps_after_restart: a restarted run finishes that many steps after where it resumed (at most `steps`).
     """
 
-    def __init__(self, steps: int, step_s: float = 0.1, ignore_warning: bool = False, pause_at: int | None = None,
-                 steps_after_restart: int | None = None) -> None:
+    def __init__(self, steps: int, step_s: float = 0.1, ignore_warning: bool = False,
+                 pause_at: int | None = None, steps_after_restart: int | None = None) -> None:
         self.steps, self.step_s, self.ignore_warning, self.pause_at = steps, step_s, ignore_warning, pause_at
         self.steps_after_restart = steps_after_restart
 
@@ -83,10 +83,10 @@ class NeverPolls:
         time.sleep(3600)
 
 
-def train_ignoring_the_context(name: str, ctx: Any) -> dict:
-    """A user's function that builds and runs the trainer itself and never looks at `ctx`."""
+def train_with_the_context(name: str, ctx: Any) -> dict:
+    """A user's function that builds and runs the trainer itself, handing it the context it got."""
+    from taehv_slurm.trainer.task import TrainTask
     from tests.helpers import tiny_train
-    from trainer.train import TrainTask
 
     train = tiny_train(steps=30, name=name, **{"intervals.log_every": 1})
-    return TrainTask(train.to_dict(), {"device": "cpu", "torch_threads": 1})()
+    return TrainTask(train.to_dict(), {"device": "cpu", "torch_threads": 1})(ctx)

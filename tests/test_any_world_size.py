@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from taehv_slurm.checkpoint import Checkpointer
+from taehv_slurm.runtime.checkpoint import Checkpointer
+from taehv_slurm.training import submit_training
 from tests.helpers import make_cluster, tiny_train
-from trainer.submit import submit_training
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -74,8 +74,8 @@ def flat(weights: dict[str, torch.Tensor]) -> torch.Tensor:
 @functools.cache
 def initial_weights() -> dict[str, torch.Tensor]:
     """The weights every run starts from (the trainer's own initialisation with the config's seed)."""
-    from trainer.model import TAEHV, TAEHVConfig, init_for_training
-    from trainer.train import _model_fields
+    from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training
+    from taehv_slurm.trainer.train import _model_fields
 
     cfg = tiny_train()
     with torch.random.fork_rng():
@@ -115,7 +115,8 @@ def test_every_world_size_trains_the_same_steps(runs, engine: str) -> None:
     for world in WORLD_SIZES[1:]:
         assert_same_run(runs[(engine, world)], runs[(engine, 1)])
     starts = [json.loads(line) for line in (runs[(engine, 3)] / "events.jsonl").read_text().splitlines()]
-    assert starts[0]["world_size"] == 3 and starts[0]["effective_batch"] == 8  # the shipped batch, split 3+3+2
+    # the shipped batch, split 3+3+2
+    assert starts[0]["world_size"] == 3 and starts[0]["effective_batch"] == 8
 
 
 def test_both_engines_agree(runs) -> None:
@@ -123,23 +124,29 @@ def test_both_engines_agree(runs) -> None:
 
 
 def test_resumed_at_other_world_sizes_and_engines_continues_the_same_run(runs, tmp_path: Path) -> None:
-    # 2 ranks (all-reduce, by its old name `ddp`) to step 2, 3 ranks (ZeRO-2) to step 4, 5 ranks (ZeRO-3) to step 5: one run folder, one run.
+    # 2 ranks (all-reduce, by its old name `ddp`) to step 2, 3 ranks (ZeRO-2) to step 4, 5 ranks (ZeRO-3) to
+    # step 5: one run folder, one run.
     for world, engine, until in ((2, "ddp", 2), (3, "zero2", 4), (5, "zero3", STEPS)):
-        train = tiny_train(steps=until, **EXACT, **{"engine.kind": engine})  # lr warmup (20 steps) ignores `steps`
+        # lr warmup (20 steps) ignores `steps`
+        train = tiny_train(steps=until, **EXACT, **{"engine.kind": engine})
         handle = submit_training(ranks(tmp_path, world), train, "resumed")[0]
         assert handle.wait(timeout_s=600, progress=False) == "COMPLETED", handle.tail(40)
     run = tmp_path / "resumed"
-    starts = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e["event"] == "start"]
-    assert [(e["step"], e["world_size"], e["engine"]) for e in starts] == [(0, 2, "allreduce"), (2, 3, "zero2"), (4, 5, "zero3")]
-    assert_same_run(run, runs[("allreduce", 1)])  # step by step the clips and numbers of the uninterrupted run
+    starts = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+              if e["event"] == "start"]
+    assert ([(e["step"], e["world_size"], e["engine"]) for e in starts]
+            == [(0, 2, "allreduce"), (2, 3, "zero2"), (4, 5, "zero3")])
+    # step by step the clips and numbers of the uninterrupted run
+    assert_same_run(run, runs[("allreduce", 1)])
 
 
 def test_export_depends_only_on_the_weights(runs, tmp_path: Path) -> None:
-    from trainer.export import export_weights
+    from taehv_slurm.trainer.export import export_weights
 
     files = {key: export_weights(run, tmp_path / f"{key[0]}-{key[1]}.safetensors", "fp32").weights
              for key, run in runs.items()}
-    # the same weights (all-reduce at 1 and 2 ranks are bit-identical) give the same bytes, whatever trained them
+    # the same weights (all-reduce at 1 and 2 ranks are bit-identical) give the same bytes, whatever trained
+    # them
     assert files[("allreduce", 1)].read_bytes() == files[("allreduce", 2)].read_bytes()
     from safetensors.torch import load_file
 

@@ -32,7 +32,8 @@ def test_prepare_throughput_smoke(tmp_path: Path) -> None:
     assert all("error" not in row for row in result["rows"]), result["rows"]
     teacher = [row for row in result["rows"] if row["section"] == "teacher"]
     assert [row["batch"] for row in teacher] == [1, 2] and all(row["clips_per_s"] > 0 for row in teacher)
-    assert teacher[0]["teacher_frames"] == 5 and teacher[0]["window_frames"] == 8  # 1 + 4k frames of a 4L window
+    # 1 + 4k frames of a 4L window
+    assert teacher[0]["teacher_frames"] == 5 and teacher[0]["window_frames"] == 8
     assert sections["decode"]["clips_per_s"] > 0 and sections["read"]["clips_per_s"] > 0
     assert "clips per CPU-second" in run.stdout
 
@@ -71,4 +72,5 @@ def test_requeue_signal_smoke(tmp_path: Path) -> None:
     resume = result["resume"]
     assert resume["exit_codes"] == [0] and resume["from_step"] == result["sync"]["saved_step"]
     assert resume["final_step"] == resume["from_step"] + 3
-    assert resume["grad_accum"] == 2 and resume["effective_batch"] == 4  # effective batch held on half the ranks
+    # effective batch held on half the ranks
+    assert resume["grad_accum"] == 2 and resume["effective_batch"] == 4

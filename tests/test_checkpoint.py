@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from taehv_slurm.checkpoint import Checkpointer, CheckpointError
+from taehv_slurm.runtime.checkpoint import Checkpointer, CheckpointError
 from tests.helpers import mounted_tmpfs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,8 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def state_for(step: int, mib: float = 1.0) -> dict:
     n = int(mib * 2**20 / 4)
-    return {"params": {"w": torch.full((n,), float(step)), "b": torch.arange(7.0) + step}, "optimizer_step": step,
-            "rng": [{"torch": torch.get_rng_state()}], "note": "plain values only"}
+    return {"params": {"w": torch.full((n,), float(step)), "b": torch.arange(7.0) + step},
+            "optimizer_step": step, "rng": [{"torch": torch.get_rng_state()}], "note": "plain values only"}
 
 
 def test_round_trip_and_latest(tmp_path: Path) -> None:
@@ -73,7 +73,8 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_resumes(tm
     step, state, _ = ckpt.load_latest()
     assert step == 10 and state["optimizer_step"] == 10
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("step_00000020.damaged-")]
-    assert len(aside) == 1 and (aside[0] / "state.pt").read_bytes() == whole[: len(whole) // 2]  # kept, unchanged
+    # kept, unchanged
+    assert len(aside) == 1 and (aside[0] / "state.pt").read_bytes() == whole[: len(whole) // 2]
     assert (tmp_path / "latest").read_text().strip() == "step_00000010"
     assert len(ckpt.moved_aside) == 1 and "\n" not in ckpt.moved_aside[0]
     assert ckpt.moved_aside[0].startswith("checkpoint step 20 is damaged (state.pt is damaged")
@@ -97,7 +98,7 @@ def test_only_damaged_checkpoints_start_from_scratch(tmp_path: Path) -> None:
 ZYGOTE = """
 import os, sys, torch
 torch.set_num_threads(1)
-from taehv_slurm.checkpoint import Checkpointer
+from taehv_slurm.runtime.checkpoint import Checkpointer
 directory = sys.argv[1]
 for line in sys.stdin:
     first = int(line)
@@ -107,7 +108,8 @@ for line in sys.stdin:
         while True:
             step += 1
             n = 2**20
-            state = {"params": {"w": torch.full((n,), float(step)), "b": torch.arange(7.0) + step}, "optimizer_step": step}
+            state = {"params": {"w": torch.full((n,), float(step)), "b": torch.arange(7.0) + step},
+                     "optimizer_step": step}
             ckpt.save(state, step, blocking=step % 2 == 0)
     print(pid, flush=True)
     os.waitpid(pid, 0)

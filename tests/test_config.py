@@ -15,10 +15,10 @@ from taehv_slurm.config import (
     TrainConfig,
     load_cluster,
     load_train,
-    parse_set_args,
     split_overrides,
 )
 from taehv_slurm.executor import sbatch_preview
+from taehv_slurm.typed_yaml import parse_set_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,7 +115,8 @@ def test_tasks_per_node_must_match_gpus_unless_overridden() -> None:
 
 
 def test_set_overrides_route_and_parse() -> None:
-    overrides = parse_set_args(["nodes=2", "env.NCCL_DEBUG=INFO", "optim.lr=2e-4", "srun_args=[--x]", "data.source=video"])
+    overrides = parse_set_args(["nodes=2", "env.NCCL_DEBUG=INFO", "optim.lr=2e-4", "srun_args=[--x]",
+                                "data.source=video"])
     cluster_over, train_over = split_overrides(overrides)
     assert cluster_over == {"nodes": 2, "env.NCCL_DEBUG": "INFO", "srun_args": ["--x"]}
     cluster = load_cluster({"env": {"A": "1"}}, **cluster_over)
@@ -132,35 +133,37 @@ def test_set_overrides_route_and_parse() -> None:
 def test_every_cluster_field_reaches_the_script_or_the_job(tmp_path: Path) -> None:
     cfg = load_cluster({
         "name": "tv", "partition": "gpu-h100", "account": "proj42", "qos": "high", "constraint": "h100",
-        "nodes": 3, "gpus_per_node": 8, "gres": "gpu:h100:8", "cpus_per_task": 11, "mem_gb": 480, "time_min": 77,
-        "exclusive": True, "signal_delay_s": 123, "setup": ["module load cuda/12.4"],
+        "nodes": 3, "gpus_per_node": 8, "gres": "gpu:h100:8", "cpus_per_task": 11, "mem_gb": 480,
+        "time_min": 77, "exclusive": True, "signal_delay_s": 123, "setup": ["module load cuda/12.4"],
         "env": {"NCCL_SOCKET_IFNAME": "ib0", "HF_TOKEN": "hf_supersecret"}, "srun_args": ["--cpu-bind=none"],
         "sbatch_args": {"mail-type": "END"}, "group": None,
     })
     script = sbatch_preview(cfg, tmp_path / "submitit")
-    for flag in ("--job-name=tv", "--partition=gpu-h100", "--account=proj42", "--qos=high", "--constraint=h100",
+    for flag in ("--job-name=tv", "--partition=gpu-h100", "--account=proj42", "--qos=high",
+                 "--constraint=h100",
                  "--nodes=3", "--ntasks-per-node=8", "--gres=gpu:h100:8", "--cpus-per-task=11", "--mem=480GB",
                  "--time=77", "--exclusive", "--signal=USR2@123", "--requeue", "--mail-type=END"):
         assert f"#SBATCH {flag}" in script, flag
     assert "module load cuda/12.4" in script
     assert "export NCCL_SOCKET_IFNAME=ib0" in script
-    assert "--cpu-bind=none" in script and "-m taehv_slurm.entry" in script
+    assert "--cpu-bind=none" in script and "-m taehv_slurm.runtime.entry" in script
     assert "hf_supersecret" not in script and "HF_TOKEN" not in script
     # The fields that shape the job at run time travel with the task.
     runtime = {f.name for f in dataclasses.fields(cfg.runtime())}
     assert {"device", "dist_backend", "rendezvous_timeout_s", "collective_timeout_s", "torch_threads",
             "gpu_memory_gb", "cpus_per_task"} <= runtime
-    scheduler = {"name", "partition", "account", "qos", "constraint", "nodes", "gpus_per_node", "tasks_per_node", "gres",
-                 "cpus_per_task", "mem_gb", "time_min", "exclusive", "signal_delay_s", "setup", "env", "srun_args",
-                 "sbatch_args", "group", "python", "backend", "job_dir", "allow_task_gpu_mismatch", "secret_env",
-                 "array_parallelism"}
+    scheduler = {"name", "partition", "account", "qos", "constraint", "nodes", "gpus_per_node",
+                 "tasks_per_node", "gres", "cpus_per_task", "mem_gb", "time_min", "exclusive",
+                 "signal_delay_s", "setup", "env", "srun_args", "sbatch_args", "group", "python", "backend",
+                 "job_dir", "allow_task_gpu_mismatch", "secret_env", "array_parallelism"}
     requeue = {"kill_wait_s", "max_requeues", "max_requeues_without_progress", "requeue_on_failure"}
     every = {f.name for f in dataclasses.fields(ClusterConfig)}
     assert every <= scheduler | requeue | runtime, every - scheduler - requeue - runtime
 
 
 def test_secrets_are_masked() -> None:
-    cfg = load_cluster({"env": {"WANDB_API_KEY": "k-123", "MY_VAR": "x", "OTHER": "y"}, "secret_env": ["OTHER"]})
+    cfg = load_cluster({"env": {"WANDB_API_KEY": "k-123", "MY_VAR": "x", "OTHER": "y"},
+                        "secret_env": ["OTHER"]})
     assert cfg.secret_names() == {"WANDB_API_KEY", "OTHER"}
     assert cfg.masked()["env"] == {"WANDB_API_KEY": "***", "MY_VAR": "x", "OTHER": "***"}
     assert cfg.without_secrets().env == {"MY_VAR": "x"}

@@ -11,6 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+from taehv_slurm.trainer.data import (
+    ClipSpec,
+    GlobalOrder,
+    SyntheticClips,
+    VideoFolderClips,
+    microbatches,
+    step_indices,
+)
 from tests.videos import (
     nearest_frame,
     noisy_frame,
@@ -20,14 +28,6 @@ from tests.videos import (
     write_audio_only,
     write_garbage,
     write_video,
-)
-from trainer.data import (
-    ClipSpec,
-    GlobalOrder,
-    SyntheticClips,
-    VideoFolderClips,
-    microbatches,
-    step_indices,
 )
 
 SMALL = ClipSpec(frames=12, height=48, width=64)
@@ -106,7 +106,8 @@ def test_windows_and_frame_counts(video_dir: Path) -> None:
     assert len(clips) == 6 and clips.skipped == {}
 
     overlapping = VideoFolderClips(video_dir, SMALL, stride=5)
-    per_file = [sum(1 for p, _ in overlapping.windows if p.endswith(ext)) for ext in (".mp4", ".webm", ".mkv")]
+    per_file = [sum(1 for p, _ in overlapping.windows if p.endswith(ext))
+                for ext in (".mp4", ".webm", ".mkv")]
     assert per_file == [(30 - 12) // 5 + 1, (26 - 12) // 5 + 1, (24 - 12) // 5 + 1]
 
     only_mkv = VideoFolderClips(video_dir, SMALL, extensions=(".MKV",))
@@ -158,7 +159,7 @@ def messy_dir(tmp_path: Path) -> Path:
 
 
 def test_bad_files_are_skipped_counted_and_warned_once(messy_dir: Path, caplog) -> None:
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="taehv_slurm.trainer.data"):
         clips = VideoFolderClips(messy_dir, SMALL)
     assert clips.skipped == {"unreadable": 1, "no_video_stream": 1, "too_short": 1}
     warned = [r.getMessage() for r in caplog.records]
@@ -233,12 +234,13 @@ def test_order_is_pinned() -> None:
     assert [GlobalOrder(10, seed=0).item_at(p) for p in range(10)] == [5, 7, 1, 4, 2, 8, 0, 6, 3, 9]
 
 
-def rank_layouts(world: int, effective: int, per_gpu: int, engine: str = "allreduce") -> list[tuple[int, list[int]]]:
+def rank_layouts(world: int, effective: int, per_gpu: int,
+                 engine: str = "allreduce") -> list[tuple[int, list[int]]]:
     """(first sample, micro-batch sizes) of every rank, from the plan as the trainer gets it."""
     from taehv_slurm.plan import plan_for
 
-    plan = plan_for(world, 1, {"batch": {"effective": effective, "per_gpu": per_gpu}, "engine": {"kind": engine}},
-                    device="cpu")
+    plan = plan_for(world, 1, {"batch": {"effective": effective, "per_gpu": per_gpu},
+                               "engine": {"kind": engine}}, device="cpu")
     return [(plan.first_sample(r), plan.microbatch_sizes(r)) for r in range(world)]
 
 
@@ -246,7 +248,8 @@ def rank_layouts(world: int, effective: int, per_gpu: int, engine: str = "allred
 def test_step_contents_do_not_depend_on_the_gpu_layout(step: int) -> None:
     order = GlobalOrder(37, seed=11)  # not a multiple of 16: steps straddle epochs
     stream = [order.item_at(p) for p in range(step * 16, (step + 1) * 16)]
-    for world, per_gpu in [(1, 4), (2, 4), (3, 4), (4, 4), (5, 2), (7, 3), (8, 2), (16, 1)]:  # 3, 5, 7: uneven
+    # 3, 5, 7: uneven
+    for world, per_gpu in [(1, 4), (2, 4), (3, 4), (4, 4), (5, 2), (7, 3), (8, 2), (16, 1)]:
         got = []
         for first, sizes in rank_layouts(world, 16, per_gpu):
             micro = step_indices(order, step, 16, first, sizes)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from taehv_slurm.distenv import (
+from taehv_slurm.runtime.distenv import (
     PORT_BASE,
     PORT_SPAN,
     DistEnv,
@@ -39,12 +39,14 @@ def test_slurm_task_env() -> None:
 def test_torchrun_env() -> None:
     env = DistEnv.from_environ({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
                                 "MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29500", "GROUP_RANK": "1"})
-    assert (env.rank, env.local_rank, env.node_rank, env.num_nodes, env.master_port, env.source) == (5, 1, 1, 2, 29500, "torchrun")
+    assert ((env.rank, env.local_rank, env.node_rank, env.num_nodes, env.master_port, env.source)
+            == (5, 1, 1, 2, 29500, "torchrun"))
 
 
 def test_platform_env_is_node_level() -> None:
     # Container platforms: WORLD_SIZE = number of nodes, RANK = node index.
-    env = DistEnv.from_environ({"RANK": "2", "WORLD_SIZE": "8", "MASTER_ADDR": "job-0.svc", "MASTER_PORT": "23456"})
+    env = DistEnv.from_environ({"RANK": "2", "WORLD_SIZE": "8", "MASTER_ADDR": "job-0.svc",
+                                "MASTER_PORT": "23456"})
     assert (env.source, env.node_rank, env.num_nodes, env.world_size) == ("platform", 2, 8, 8)
     gpu3 = env.for_local_rank(3, 8)
     assert (gpu3.rank, gpu3.local_rank, gpu3.world_size, gpu3.local_world_size) == (19, 3, 64, 8)
@@ -88,13 +90,14 @@ def test_one_node_sixteen_tasks_fails_with_the_fix() -> None:
 
 WORKER = """
 import json, os, sys
-from taehv_slurm.distenv import DistEnv, init_distributed
+from taehv_slurm.runtime.distenv import DistEnv, init_distributed
 import torch, torch.distributed as dist
 env = DistEnv.from_environ()
 backend = init_distributed(env, "gloo", timeout_s=60, rendezvous_timeout_s=float(os.environ.get("RDV", "60")))
 t = torch.tensor([float(env.rank + 1)])
 dist.all_reduce(t)
-print(json.dumps({"rank": env.rank, "sum": t.item(), "backend": backend, "master": os.environ["MASTER_ADDR"]}))
+print(json.dumps({"rank": env.rank, "sum": t.item(), "backend": backend,
+                  "master": os.environ["MASTER_ADDR"]}))
 dist.destroy_process_group()
 """
 
@@ -109,7 +112,8 @@ def _launch(rank: int, world: int, port: int, extra: dict | None = None) -> subp
     env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "PYTHONPATH": str(REPO), **(extra or {})}
-    return subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", WORKER], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def test_init_distributed_real_gloo_processes() -> None:
@@ -136,7 +140,8 @@ def test_slurm_task_outranks_leftover_launcher_variables() -> None:
     # sbatch exports the submitting environment: a notebook under torchrun would pass RANK=0 WORLD_SIZE=1.
     slurm = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
              "SLURM_NTASKS": "4", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "tb[1-2]"}
-    stale = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "29500"}
+    stale = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "10.1.1.1",
+             "MASTER_PORT": "29500"}
     env = DistEnv.from_environ({**slurm, **stale})
     assert (env.source, env.rank, env.world_size, env.master_addr) == ("slurm", 3, 4, "tb1")
     # torchrun (or jobs.launch) started INSIDE a Slurm step marks its children: then its variables win.
@@ -150,4 +155,5 @@ def test_jobs_do_not_inherit_launcher_variables(tmp_path) -> None:
 
     script = sbatch_preview(load_cluster({"partition": "gpu"}), tmp_path)
     unset = next(line for line in script.splitlines() if line.startswith("unset "))
-    assert {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"} <= set(unset.split())
+    assert ({"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+            <= set(unset.split()))

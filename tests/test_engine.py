@@ -1,4 +1,5 @@
-"""Every engine (flat all-reduce, DeepSpeed ZeRO-1/2/3) trains, and its state moves to every other engine unchanged.
+"""Every engine (flat all-reduce, DeepSpeed ZeRO-1/2/3) trains, and its state moves to every other engine
+unchanged.
 
 One real torch.distributed process group (gloo, world size 1) in this process: DeepSpeed needs one even
 for one rank. The multi-rank paths run on the Slurm testbed (tests/test_requeue.py).
@@ -10,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.engine import Microbatch, make_engine
-from trainer.losses import DistillModule
-from trainer.model import TAEHV, TAEHVConfig
+from taehv_slurm.trainer.engine import Microbatch, make_engine
+from taehv_slurm.trainer.losses import DistillModule
+from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
 
 ENGINES = ["allreduce", "zero1", "zero2", "zero3"]
 
@@ -20,7 +21,8 @@ ENGINES = ["allreduce", "zero1", "zero2", "zero3"]
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
     with pytest.MonkeyPatch.context() as environ:
-        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                           "LOCAL_WORLD_SIZE": "1"}.items():
             environ.setenv(key, value)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         yield
@@ -30,8 +32,8 @@ def process_group():
 def engine(kind: str):
     torch.manual_seed(0)
     module = DistillModule(TAEHV(TAEHVConfig(encoder_width=8, decoder_widths=[16, 8, 8, 8])))
-    return make_engine(kind, module, torch.device("cpu"), precision="fp32", grad_clip=1.0, lr=1e-3, betas=(0.9, 0.95),
-                       weight_decay=0.01, compile=False, per_gpu_batch=2, grad_accum=2)
+    return make_engine(kind, module, torch.device("cpu"), precision="fp32", grad_clip=1.0, lr=1e-3,
+                       betas=(0.9, 0.95), weight_decay=0.01, compile=False, per_gpu_batch=2, grad_accum=2)
 
 
 def batch(seed: int) -> Microbatch:
@@ -59,7 +61,8 @@ def test_engine_trains_and_hands_its_state_to_every_other_engine(kind: str) -> N
         assert moved["optimizer_step"] == 3
         for key in ("params", "exp_avg", "exp_avg_sq"):
             for name, value in state[key].items():
-                torch.testing.assert_close(moved[key][name], value, rtol=0, atol=0, msg=f"{kind}→{other} {key} {name}")
+                torch.testing.assert_close(moved[key][name], value, rtol=0, atol=0,
+                                           msg=f"{kind}→{other} {key} {name}")
         # and it keeps training from there: the next step is the same whichever engine takes it
         after = loss_of(target.train_step([batch(100), batch(101)], 1e-3))
         assert after == pytest.approx(source_next_loss(state), rel=1e-5)

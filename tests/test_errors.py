@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from taehv_slurm.checkpoint import Checkpointer, CheckpointError
-from taehv_slurm.distenv import DistributedSetupError
 from taehv_slurm.picklecheck import UnpicklableTaskError, check_picklable
-from taehv_slurm.platform import choose_ranks
-from tests.helpers import mounted_tmpfs, tiny_train
+from taehv_slurm.runtime.checkpoint import Checkpointer, CheckpointError
+from taehv_slurm.runtime.distenv import DistributedSetupError
+from taehv_slurm.runtime.node_launcher import choose_ranks
+from taehv_slurm.trainer.data import ClipSpec, VideoFolderClips
+from tests.helpers import cli, mounted_tmpfs, tiny_train
 from tests.videos import write_garbage, write_video
-from trainer.data import ClipSpec, VideoFolderClips
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "errors.md"
@@ -45,12 +45,10 @@ def as_documented(text: str) -> str:
     return text.replace(HOST, "vm") if HOST != "vm" else text
 
 
-def cli(module: str, *args: str, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
-    """Run a CLI from `cwd` (relative paths in messages stay short); returns (exit code, stderr)."""
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    out = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                         env={**base, "PYTHONPATH": str(REPO), **(env or {})})
-    return out.returncode, out.stderr.strip()
+def run(*args: str, cwd: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """A CLI run from `cwd` (relative paths in messages stay short): (exit code, stderr)."""
+    done = cli(*args, cwd=cwd, env=env)
+    return done.returncode, done.stderr.strip()
 
 
 @pytest.fixture
@@ -83,15 +81,27 @@ def test_config_errors_are_one_line_on_the_command_line(key: str, tmp_path: Path
         (tmp_path / name).write_text(text)
     else:
         args = ["--cluster", "cluster.yaml", *args]
-    code, err = cli("jobs.submit", *args, "--dry-run", cwd=tmp_path)
+    code, err = run("jobs.submit", *args, "--dry-run", cwd=tmp_path)
     assert code == 2 and err == documented(key)
+
+
+def test_a_zero_engine_without_deepspeed_is_one_line(tmp_path: Path) -> None:
+    # An environment without DeepSpeed (an optional extra): the import system finds no such module.
+    without = ("import sys; sys.modules['deepspeed'] = None; from taehv_slurm.cli import main; "
+               "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", without, "submit", "--local", "--train",
+                           "configs/train/tiny.yaml", "--set", "engine.kind=zero2", "--set", "job_dir=runs"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and done.stderr.strip() == documented("zero-without-deepspeed")
+    assert not (tmp_path / "runs").exists()  # nothing submitted
 
 
 @pytest.mark.usefixtures("slurm_cluster")
 def test_missing_partition_on_the_command_line(tmp_path: Path) -> None:
     shutil.copy(REPO / "configs/cluster/testbed.yaml", tmp_path / "cluster.yaml")
-    code, err = cli("jobs.submit", "--cluster", "cluster.yaml", "--task", "smoke", "--set", "partition=nosuch",
-                    "--set", "job_dir=runs", cwd=tmp_path)
+    code, err = run("jobs.submit", "--cluster", "cluster.yaml", "--task", "smoke",
+                    "--set", "partition=nosuch", "--set", "job_dir=runs", cwd=tmp_path)
     assert code == 2 and err == documented("missing-partition")  # sbatch's own lines are not repeated
     assert not (tmp_path / "runs").exists()  # a refused submit leaves no run folder
 
@@ -101,29 +111,33 @@ def test_no_slurm_here_is_one_line(tmp_path: Path) -> None:
     cases = [({**env, "PATH": str(tmp_path)}, documented("no-slurm")),  # no Slurm commands at all
              ({**env, "SLURM_CONF": str(tmp_path / "nowhere.conf")}, documented("no-slurm-conf").replace(
                  "$TMP", str(tmp_path)))]
-    if not Path("/etc/slurm/slurm.conf").exists():  # Slurm installed but no configuration: sbatch's DNS lookup fails
+    # Slurm installed but no configuration: sbatch's DNS lookup fails
+    if not Path("/etc/slurm/slurm.conf").exists():
         cases.append((env, documented("no-slurm")))
     # Each CLI path once (the training submit, a task submit, preflight's partition row), each cause once.
-    commands = [["jobs.submit", "--nodes", "1"], ["jobs.submit", "--task", "smoke"], ["jobs.preflight", "--nodes", "1"]]
+    commands = [["jobs.submit", "--nodes", "1"], ["jobs.submit", "--task", "smoke"],
+                ["jobs.preflight", "--nodes", "1"]]
     for n, (environ, expected) in enumerate(cases):
         for args in (commands if n == 0 else commands[::2]):
             out = subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True,
                                  timeout=300, env={**environ, "PYTHONPATH": str(REPO)})
             if args[0] == "jobs.preflight":
                 row = [line for line in out.stdout.splitlines() if line.startswith("partition")]
-                assert out.returncode == 1 and row == [f"partition          FAIL    {expected.removeprefix('error: ')}"]
+                assert (out.returncode == 1
+                        and row == [f"partition          FAIL    {expected.removeprefix('error: ')}"])
             else:
                 assert out.returncode == 2 and out.stderr.strip() == expected, out.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # preflight's writable check; nothing submitted
+    # preflight's writable check; nothing submitted
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
 
 
 # ------------------------------------------------------------------------------------ launcher
 
 
 def test_launcher_setup_errors(tmp_path: Path) -> None:
-    code, err = cli("jobs.launch", "--task", "smoke", cwd=tmp_path)
+    code, err = run("jobs.launch", "--task", "smoke", cwd=tmp_path)
     assert code == 2 and as_documented(err) == documented("launch-no-gpu")
-    code, err = cli("jobs.launch", "--task", "smoke", "--procs-per-node", "2", cwd=tmp_path,
+    code, err = run("jobs.launch", "--task", "smoke", "--procs-per-node", "2", cwd=tmp_path,
                     env={"RANK": "1", "WORLD_SIZE": "2"})
     assert code == 2 and err == documented("launch-no-master")
 
@@ -152,8 +166,9 @@ def test_dataset_missing_or_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_dataset_missing_in_a_launched_job(tmp_path: Path) -> None:
-    code, err = cli("jobs.launch", "--cluster", "configs/platform/cluster.yaml", "--train", "configs/train/tiny.yaml",
-                    "--procs-per-node", "1", "--set", "torch_threads=1", "--set", "data.source=video", "--set", "data.path=videos",
+    code, err = run("jobs.launch", "--cluster", "configs/platform/cluster.yaml",
+                    "--train", "configs/train/tiny.yaml", "--procs-per-node", "1",
+                    "--set", "torch_threads=1", "--set", "data.source=video", "--set", "data.path=videos",
                     "--run-dir", "runs/tiny", cwd=tmp_path)
     assert code == 1
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -166,7 +181,7 @@ def test_corrupt_video_is_skipped_and_counted(tmp_path: Path, monkeypatch: pytes
     Path("videos").mkdir()
     write_video("videos/good.mp4", 16, 64, 48)
     write_garbage("videos/broken.mp4")
-    with caplog.at_level(logging.WARNING, logger="trainer.data"):
+    with caplog.at_level(logging.WARNING, logger="taehv_slurm.trainer.data"):
         clips = VideoFolderClips("videos", ClipSpec(8, 48, 64))
     assert clips.skipped == {"unreadable": 1} and len(clips) == 2  # the good file's two windows remain
     assert [r.getMessage() for r in caplog.records] == [documented("corrupt-video")]
@@ -175,7 +190,8 @@ def test_corrupt_video_is_skipped_and_counted(tmp_path: Path, monkeypatch: pytes
 # --------------------------------------------------------------------------------- checkpoints
 
 
-def test_checkpoint_folder_not_writable(read_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoint_folder_not_writable(read_only: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     # In a running job: the save fails with one line, the run keeps its earlier checkpoint.
@@ -184,20 +200,23 @@ def test_checkpoint_folder_not_writable(read_only: Path, tmp_path: Path, monkeyp
         Checkpointer("ro/ck").save({"w": torch.zeros(4)}, 1)
     assert f"CheckpointError: {err.value}" == documented("checkpoint-not-writable")
     # Before submitting: the CLI refuses to create its run folders there ...
-    code, out = cli("jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--task", "smoke", "--set",
+    code, out = run("jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--task", "smoke", "--set",
                     "job_dir=ro/runs", cwd=tmp_path)
     assert code == 2 and out == documented("job-dir-not-writable")
     # ... and preflight names the row.
-    result = subprocess.run([sys.executable, "-m", "jobs.preflight", "--nodes", "1", "--cluster", "configs/cluster/local.yaml",
+    result = subprocess.run([sys.executable, "-m", "jobs.preflight", "--nodes", "1",
+                             "--cluster", "configs/cluster/local.yaml",
                              "--train", "configs/train/tiny.yaml", "--set", "job_dir=ro/runs"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 1
     row = [line for line in result.stdout.splitlines() if line.startswith("checkpoint folder")]
     assert row == [documented("preflight-job-dir")]
 
 
 def test_checkpoint_from_another_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from trainer.train import IncompatibleCheckpointError, TrainTask
+    from taehv_slurm.trainer.task import TrainTask
+    from taehv_slurm.trainer.train import IncompatibleCheckpointError
 
     monkeypatch.chdir(tmp_path)
     runtime = {"device": "cpu", "torch_threads": 1, "run_dir": "runs/tiny"}

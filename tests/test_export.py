@@ -1,4 +1,5 @@
-"""`python -m jobs.export`: a trained run → the published TAEHV weight file, loaded back with the same outputs."""
+"""`python -m jobs.export`: a trained run → the published TAEHV weight file, loaded back with the same
+outputs."""
 
 from __future__ import annotations
 
@@ -11,14 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, final_state
+from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, load_published_weights
+from tests.helpers import REPO, cli, final_state
 from tests.test_model import published_keys
-from trainer.model import TAEHV, TAEHVConfig, load_published_weights
-
-
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +28,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def trained_model(run: Path, dtype: torch.dtype = torch.float32) -> TAEHV:
-    """The checkpoint's student, its weights rounded through `dtype` as an export in that dtype stores them."""
+    """The checkpoint's student, its weights rounded through `dtype` as an export in that dtype stores
+    them."""
     _, state, meta = final_state(run)
     model = TAEHV(TAEHVConfig.from_dict(meta["model"]))
     model.load_state_dict({k: v.to(dtype).float() for k, v in state["params"].items()})
@@ -47,7 +44,8 @@ def outputs(model: TAEHV) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize(("name", "dtype", "torch_dtype"),
                          [("taehv.pth", "fp16", torch.float16), ("taehv.safetensors", "fp32", torch.float32)])
-def test_export_round_trip(run: Path, tmp_path: Path, name: str, dtype: str, torch_dtype: torch.dtype) -> None:
+def test_export_round_trip(run: Path, tmp_path: Path, name: str, dtype: str,
+                           torch_dtype: torch.dtype) -> None:
     done = cli("jobs.export", str(run), "--out", name, "--dtype", dtype, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "exported step 2" in done.stdout
@@ -60,7 +58,8 @@ def test_export_round_trip(run: Path, tmp_path: Path, name: str, dtype: str, tor
     load_published_weights(loaded, tmp_path / name)  # the project's loader: both formats, strict keys
     for ours, theirs in zip(outputs(loaded.eval()), outputs(reference)):
         assert torch.equal(ours, theirs)
-    if name.endswith(".pth"):  # as the published taehv.py reads it: torch.load(weights_only=True), then load_state_dict
+    # as the published taehv.py reads it: torch.load(weights_only=True), then load_state_dict
+    if name.endswith(".pth"):
         stored = torch.load(tmp_path / name, map_location="cpu", weights_only=True)
         assert list(stored) == list(TAEHV(TAEHVConfig.from_dict(sidecar["model"])).state_dict())
         assert {t.dtype for t in stored.values()} == {torch.float16}
@@ -68,26 +67,29 @@ def test_export_round_trip(run: Path, tmp_path: Path, name: str, dtype: str, tor
 
 def test_readme_round_trip(run: Path, tmp_path: Path) -> None:
     readme = (REPO / "README.md").read_text()
-    command = re.search(r"`(python -m jobs\.export runs/run1 --out taehv\.safetensors)`", readme).group(1)
+    command = re.search(r"`(taehv export runs/run1 --out taehv\.safetensors)`", readme).group(1)
     snippet = re.search(r"Load it with the published.*?```python\n(.*?)```", readme, re.S).group(1)
     (tmp_path / "runs").symlink_to(run.parent)
-    done = cli(*command.split()[2:], cwd=tmp_path)
+    # `python -m taehv_slurm` is the `taehv` script
+    done = cli("taehv_slurm", *command.split()[1:], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    check = snippet + "\nassert latents.shape == (1, 2, 16, 8, 8) and frames.shape == (1, 5, 3, 64, 64)\nprint('OK')"
-    done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={"PYTHONPATH": str(REPO)})
+    check = snippet + ("\nassert latents.shape == (1, 2, 16, 8, 8) and frames.shape == (1, 5, 3, 64, 64)"
+                       "\nprint('OK')")
+    done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={"PYTHONPATH": str(REPO)})
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stderr
 
 
 def test_default_shape_exports_the_published_key_list(tmp_path: Path) -> None:
-    from trainer.export import published_state_dict
+    from taehv_slurm.trainer.export import published_state_dict
 
     params = {k: v for k, v in TAEHV(TAEHVConfig()).state_dict().items()}
     assert list(published_state_dict(params, {}, torch.float16)) == published_keys()
 
 
 def test_export_by_run_name_is_the_same_file(run: Path, tmp_path: Path) -> None:
-    by_path = cli("jobs.export", str(run / "checkpoints" / "step_00000002" / "state.pt"), "--out", "a.pth", cwd=tmp_path)
+    by_path = cli("jobs.export", str(run / "checkpoints" / "step_00000002" / "state.pt"), "--out", "a.pth",
+                  cwd=tmp_path)
     by_name = cli("jobs.export", "run1", "--job-dir", str(run.parent), "--out", "b.pth", cwd=tmp_path)
     assert by_path.returncode == 0 and by_name.returncode == 0, by_path.stderr + by_name.stderr
     assert (tmp_path / "a.pth").read_bytes() == (tmp_path / "b.pth").read_bytes()

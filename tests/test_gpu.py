@@ -1,4 +1,5 @@
-"""The shipped training config on a real GPU, through the user's entry point (`python -m jobs.submit --local`).
+"""The shipped training config on a real GPU, through the user's entry point
+(`python -m jobs.submit --local`).
 
 Marked `gpu`: skipped where no CUDA device exists (CI is CPU-only); run on a GPU machine with
 `python -m pytest -m gpu -q`. configs/train/taehv.yaml as shipped, made small (128×192 synthetic clips,
@@ -32,7 +33,8 @@ ACCUMULATIONS = [1, 2, 4, 32]
 PER_GPU = 2
 SMALL = {"data.source": "synthetic", "data.height": 128, "data.width": 192, "data.num_clips": 512,
          "data.val_clips": 4, "teacher.kind": "none", "steps": 12, "optim.warmup_steps": 2, "optim.lr": 1e-3,
-         "intervals.log_every": 1, "intervals.val_every": 5, "intervals.ckpt_every": 4, "batch.per_gpu": PER_GPU}
+         "intervals.log_every": 1, "intervals.val_every": 5, "intervals.ckpt_every": 4,
+         "batch.per_gpu": PER_GPU}
 SAME_LOSS_REL = 2e-2
 
 
@@ -100,7 +102,8 @@ def test_a_signal_mid_run_saves_and_the_same_name_resumes(tmp_path: Path) -> Non
                              stderr=subprocess.STDOUT, text=True)
     wait_for(lambda: len(train_rows(run_dir)) >= 8, 600, "step 8")
     job_id = json.loads((run_dir / "events.jsonl").read_text().splitlines()[0])["job_id"]
-    cancel = subprocess.run([sys.executable, "-m", "jobs.cancel", job_id, "--job-dir", str(tmp_path / "runs")],
+    cancel = subprocess.run([sys.executable, "-m", "jobs.cancel", job_id,
+                             "--job-dir", str(tmp_path / "runs")],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert cancel.returncode == 0, cancel.stderr
     output, _ = first.communicate(timeout=300)

@@ -28,11 +28,12 @@ from pathlib import Path
 import pytest
 
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.reports import registry_frame, runs_frame
+from taehv_slurm.reports import registry_frame
+from taehv_slurm.runs import runs_frame
 from taehv_slurm.submission import submit
-from tests.helpers import REPO, in_terminal, make_cluster, tiny_train, wait_done, wait_for
+from taehv_slurm.training import submit_training
+from tests.helpers import REPO, cli, in_terminal, make_cluster, tiny_train, wait_done, wait_for
 from tests.tasks import CrashAfterStart
-from trainer.submit import submit_training
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -55,17 +56,13 @@ class Jobs:
     notes: dict = field(default_factory=dict)
 
 
-def cli(*args: str, timeout: float = 120, cwd: Path = REPO, env: dict | None = None) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd, env=environ,
-                          timeout=timeout)
-
 
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
     job_dir = tmp_path_factory.mktemp("handle")
     # A secret in the cluster env: reaches the job through sbatch's environment, never the registry.
-    two = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=10, env={"WANDB_API_KEY": SECRET, "TAEHV_NOTE": "public"})
+    two = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=10,
+                       env={"WANDB_API_KEY": SECRET, "TAEHV_NOTE": "public"})
     one = make_cluster(job_dir, nodes=1, gpus_per_node=1, time_min=10)
     steady = {"intervals.log_every": 2, "intervals.val_every": 20, "intervals.ckpt_every": 10_000}
     # The CLI sweep is started first: its process imports torch while the other jobs are submitted.
@@ -73,15 +70,16 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
         [sys.executable, "-m", "jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--train",
          "configs/train/tiny.yaml", "--nodes", "1", "--gpus-per-node", "1", "--time-min", "10",
          "--set", f"job_dir={job_dir}", "--set", "steps=6", "--set", "intervals.log_every=2",
-         "--sweep", "optim.lr=" + ",".join(f"{lr:g}" for lr in LRS), "--max-parallel", "1", "--name", "lr-sweep"],
+         "--sweep", "optim.lr=" + ",".join(f"{lr:g}" for lr in LRS),
+         "--max-parallel", "1", "--name", "lr-sweep"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     submitted = Jobs(
         job_dir=job_dir,
         train=submit_training(two, tiny_train(steps=TRAIN_STEPS, **steady), "observed")[0],
         doomed=submit_training(one, tiny_train(steps=100_000, **{"intervals.log_every": 1}), "doomed")[0],
-        crash=submit(CrashAfterStart(), make_cluster(job_dir, nodes=1, gpus_per_node=1, requeue_on_failure=False),
-                     "crash"),
+        crash=submit(CrashAfterStart(),
+                     make_cluster(job_dir, nodes=1, gpus_per_node=1, requeue_on_failure=False), "crash"),
     )
     out, err = sweep.communicate(timeout=300)
     submitted.sweep_cli = subprocess.CompletedProcess(sweep.args, sweep.returncode, out, err)
@@ -128,11 +126,13 @@ def test_running_job_through_handle_and_clis(jobs: Jobs) -> None:
 
     logs = cli("jobs.logs", train.job_id, "-n", "200", "--job-dir", str(jobs.job_dir))
     assert logs.returncode == 0 and f"train step 4/{TRAIN_STEPS}" in logs.stdout
-    assert "[rank 1]" not in cli("jobs.logs", train.job_id, "--rank", "0", "--job-dir", str(jobs.job_dir)).stdout
+    assert "[rank 1]" not in cli("jobs.logs", train.job_id, "--rank", "0", "--job-dir",
+                                 str(jobs.job_dir)).stdout
 
     # Follow rank 0's log from now until the job ends: across the requeue below.
-    jobs.follower = subprocess.Popen([sys.executable, "-m", "jobs.logs", train.job_id, "--follow", "--job-dir",
-                                      str(jobs.job_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    jobs.follower = subprocess.Popen([sys.executable, "-m", "jobs.logs", train.job_id, "--follow",
+                                      "--job-dir", str(jobs.job_dir)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     # Preempt it as the scheduler would; the run saves, Slurm requeues it, and it resumes.
     train.wait(until_step=REQUEUE_AT, timeout_s=300, poll_s=0.5, progress=False)
@@ -183,7 +183,19 @@ def test_failed_job_reports_its_error(jobs: Jobs) -> None:
 # ------------------------------------------------------------------------- REQUEUED → COMPLETED
 
 
-def test_requeued_job_completes_with_requeue_in_metrics_and_sacct(jobs: Jobs, capsys) -> None:
+def completed_train(jobs: Jobs) -> JobHandle:
+    """The train job once it completed (the first test below waits for it; run alone, a test waits here)."""
+    assert wait_done(jobs.train.job_id, 600) == "COMPLETED", jobs.train.tail(80)
+    return jobs.train
+
+
+def requeue_step(train: JobHandle) -> int:
+    """The step at which the train job saved for its requeue."""
+    return int(train.requeues["step"].iloc[0])
+
+
+def test_a_requeued_job_completes_and_wait_prints_plain_progress_lines(
+        jobs: Jobs, capsys: pytest.CaptureFixture[str]) -> None:
     train = jobs.train
     final = train.wait(timeout_s=600, poll_s=1)
     assert final == "COMPLETED", train.tail(80)
@@ -191,6 +203,9 @@ def test_requeued_job_completes_with_requeue_in_metrics_and_sacct(jobs: Jobs, ca
     assert "\r" not in shown and f"job {train.job_id}: COMPLETED · step {TRAIN_STEPS}/{TRAIN_STEPS}" in shown
     assert "requeued 1×" in shown
 
+
+def test_the_metrics_mark_the_requeue_and_log_every_step_once(jobs: Jobs) -> None:
+    train = completed_train(jobs)
     requeues = train.requeues
     assert list(requeues["reason"]) == ["preempted"]
     step = int(requeues["step"].iloc[0])
@@ -198,17 +213,24 @@ def test_requeued_job_completes_with_requeue_in_metrics_and_sacct(jobs: Jobs, ca
 
     frame = train.metrics()
     steps = list(frame[frame["event"] == "train"]["step"])
-    assert steps == sorted(set(steps)) and steps[-1] == TRAIN_STEPS  # every logged step once, across the requeue
+    # every logged step once, across the requeue
+    assert steps == sorted(set(steps)) and steps[-1] == TRAIN_STEPS
     marks = frame[frame["event"] == "requeue"]
     assert list(marks["step"]) == [step] and list(marks["reason"]) == ["preempted"]
     assert frame["time"].notna().all() and (frame["elapsed_s"] >= 0).all()
 
+
+def test_sacct_records_the_requeued_attempt_then_the_completed_one(jobs: Jobs) -> None:
+    train = completed_train(jobs)
     # Real sacct: one REQUEUED allocation record, then the COMPLETED one.
     alloc = wait_for(lambda: allocation_rows(train), 60, "sacct to record the end")
     assert [(r["State"], r["Attempt"]) for r in alloc] == [("REQUEUED", 0), ("COMPLETED", 1)]
     assert all(r["ElapsedSeconds"] > 0 for r in alloc)
     assert train.accounting().attrs["requeues"] == 1 and train.requeue_count == 1
 
+
+def test_a_handle_attached_by_id_from_another_directory_reads_the_whole_run(jobs: Jobs) -> None:
+    train = completed_train(jobs)
     # Re-opened from another working directory by id, through $TAEHV_JOB_DIR-style relative paths.
     here = os.getcwd()
     try:
@@ -220,29 +242,44 @@ def test_requeued_job_completes_with_requeue_in_metrics_and_sacct(jobs: Jobs, ca
     finally:
         os.chdir(here)
 
+
+def test_status_cli_shows_the_requeue_as_a_table_json_and_csv(jobs: Jobs) -> None:
+    train = completed_train(jobs)
+    step = requeue_step(train)
     status = cli("jobs.status", "--all", cwd=jobs.job_dir.parent, env={"TAEHV_JOB_DIR": jobs.job_dir.name})
     assert status.returncode == 0, status.stderr
     row = next(line for line in status.stdout.splitlines() if line.startswith(train.job_id + " "))
     assert row.split()[1:6] == ["observed", "COMPLETED", "1", "2", f"{TRAIN_STEPS}/{TRAIN_STEPS}"]
     assert row.split()[6] == "1" and f"requeued at step {step}" in row
-    as_json = json.loads(cli("jobs.status", train.job_id, "--format", "json", "--job-dir", str(jobs.job_dir)).stdout)
+    as_json = json.loads(cli("jobs.status", train.job_id, "--format", "json", "--job-dir",
+                             str(jobs.job_dir)).stdout)
     assert [(r["job_id"], r["state"], r["step"], r["requeues"]) for r in as_json] == \
         [(train.job_id, "COMPLETED", f"{TRAIN_STEPS}/{TRAIN_STEPS}", 1)]
     as_csv = list(csv.DictReader(io.StringIO(cli("jobs.status", train.job_id, "--format", "csv", "--job-dir",
                                                  str(jobs.job_dir)).stdout)))
     assert [(r["run"], r["state"], r["requeues"]) for r in as_csv] == [("observed", "COMPLETED", "1")]
 
+
+def test_status_cli_accounting_shows_one_row_per_attempt(jobs: Jobs) -> None:
+    train = completed_train(jobs)
+    wait_for(lambda: allocation_rows(train), 60, "sacct to record the end")
     # Slurm's accounting from the CLI: one row per attempt (the requeued one, then the one that completed).
     acct = json.loads(cli("jobs.status", train.job_id, "--accounting", "--format", "json", "--job-dir",
                           str(jobs.job_dir)).stdout)
     assert [(r["attempt"], r["state"]) for r in acct] == [(0, "REQUEUED"), (1, "COMPLETED")]
-    assert all(r["gpus"] == 2 and r["nodes"] == 1 and r["elapsed_s"] > 0 and r["max_rss_gb"] > 0.05 for r in acct), acct
-    table = cli("jobs.status", train.job_id, "--accounting", "--job-dir", str(jobs.job_dir)).stdout.splitlines()
+    assert all(r["gpus"] == 2 and r["nodes"] == 1 and r["elapsed_s"] > 0 and r["max_rss_gb"] > 0.05
+               for r in acct), acct
+    table = cli("jobs.status", train.job_id, "--accounting", "--job-dir",
+                str(jobs.job_dir)).stdout.splitlines()
     assert table[0].split()[:4] == ["job_id", "run", "attempt", "state"] and len(table) == 3
     rows = list(csv.DictReader(io.StringIO(cli("jobs.status", train.job_id, "--accounting", "--format", "csv",
                                                "--job-dir", str(jobs.job_dir)).stdout)))
     assert [r["state"] for r in rows] == ["REQUEUED", "COMPLETED"] and rows[1]["exit_code"] == "0:0"
 
+
+def test_logs_follow_followed_the_job_across_the_requeue_to_its_end(jobs: Jobs) -> None:
+    train = completed_train(jobs)
+    step = requeue_step(train)
     # `jobs.logs --follow`, started while the job ran, followed it across the requeue to its end.
     assert jobs.follower is not None
     out, err = jobs.follower.communicate(timeout=60)
@@ -250,8 +287,12 @@ def test_requeued_job_completes_with_requeue_in_metrics_and_sacct(jobs: Jobs, ca
     assert out.rstrip().endswith(f"job {train.job_id} ended: COMPLETED")
     assert f"resumed from step {step}" in out and f"train step {TRAIN_STEPS}/{TRAIN_STEPS}" in out
 
+
+def test_the_plot_marks_the_requeue_with_a_dashed_line(jobs: Jobs) -> None:
     import matplotlib
 
+    train = completed_train(jobs)
+    step = requeue_step(train)
     matplotlib.use("Agg")
     fig = train.plot(jobs.job_dir / "observed.png")
     dashed = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == "--"]
@@ -291,10 +332,11 @@ def test_progress_is_plain_lines_without_a_tty(jobs: Jobs) -> None:
     assert "train step" not in train.log_path(1).read_text()  # rank 1 shows no progress
 
     # The same writer under a terminal draws a tqdm bar instead.
-    code = ("import sys, pathlib, tempfile; from trainer.train import MetricsWriter;"
+    code = ("import sys, pathlib, tempfile; from taehv_slurm.trainer.metrics import MetricsWriter;"
             "w = MetricsWriter(pathlib.Path(tempfile.mkdtemp()), 0, True, 4);"
             "[w.write(s, {'loss': 1.0 / s}) for s in range(1, 5)]; w.close(); print('DONE')")
-    _, shown = in_terminal([sys.executable, "-c", code], REPO, columns=100)  # a 0-column terminal hides the bar
+    # a 0-column terminal hides the bar
+    _, shown = in_terminal([sys.executable, "-c", code], REPO, columns=100)
     assert "DONE" in shown and "\rtrain: 100%|" in shown and "4/4" in shown, shown[-2000:]
     assert "train step" not in shown
 
@@ -311,7 +353,8 @@ def test_sweep_cli_submits_one_job_array(jobs: Jobs) -> None:
     for job_id in ids:
         assert wait_done(job_id, 600) == "COMPLETED", JobHandle.attach(job_id, jobs.job_dir).tail(60)
     handles = [JobHandle.attach(i, jobs.job_dir) for i in ids]
-    spans = sorted((r["Start"], r["End"]) for h in handles for r in wait_for(lambda h=h: allocation_rows(h), 60, "sacct"))
+    spans = sorted((r["Start"], r["End"]) for h in handles
+                   for r in wait_for(lambda h=h: allocation_rows(h), 60, "sacct"))
     assert len(spans) == 2 and spans[0][1] <= spans[1][0], spans  # never both at once
     frame = runs_frame(ids, job_dir=jobs.job_dir)
     assert {"job_id", "run", "optim.lr", "loss", "step"} <= set(frame.columns)
@@ -348,7 +391,8 @@ def test_registry_lists_every_run_with_masked_secrets(jobs: Jobs) -> None:
     assert observed["cluster"]["env"] == {"WANDB_API_KEY": "***", "TAEHV_NOTE": "public"}
     assert observed["train"]["steps"] == TRAIN_STEPS and observed["plan"]["world_size"] == 2
     assert all(not Path(r["run"]).is_absolute() for r in records)  # relative to job_dir: relocatable
-    assert SECRET not in (jobs.train.run_dir / "submitit").joinpath(f"{jobs.train.job_id}_submission.sh").read_text()
+    assert SECRET not in (jobs.train.run_dir / "submitit").joinpath(
+        f"{jobs.train.job_id}_submission.sh").read_text()
     table = JobHandle.registry(jobs.job_dir)
     assert set(table["run"]) == set(runs) and table["job_id"].is_unique
 
@@ -356,8 +400,8 @@ def test_registry_lists_every_run_with_masked_secrets(jobs: Jobs) -> None:
 # ----------------------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("command", [["jobs.status", "999999"], ["jobs.logs", "999999"], ["jobs.cancel", "999999"],
-                                     ["jobs.logs", "999999", "--follow"]])
+@pytest.mark.parametrize("command", [["jobs.status", "999999"], ["jobs.logs", "999999"],
+                                     ["jobs.cancel", "999999"], ["jobs.logs", "999999", "--follow"]])
 def test_unknown_job_id_is_one_line_exit_2(jobs: Jobs, command: list[str]) -> None:
     out = cli(*command, "--job-dir", str(jobs.job_dir), timeout=60)
     assert out.returncode == 2 and out.stdout == ""
@@ -367,7 +411,8 @@ def test_unknown_job_id_is_one_line_exit_2(jobs: Jobs, command: list[str]) -> No
 
 def test_bad_rank_and_empty_job_dir_are_one_line_errors(jobs: Jobs, tmp_path: Path) -> None:
     out = cli("jobs.logs", jobs.crash.job_id, "--rank", "3", "--job-dir", str(jobs.job_dir), timeout=60)
-    assert out.returncode == 2 and out.stderr == f"error: job {jobs.crash.job_id} has ranks 0..0; --rank 3 does not exist\n"
+    assert out.returncode == 2 and out.stderr == (f"error: job {jobs.crash.job_id} has ranks 0..0; "
+                                                  f"--rank 3 does not exist\n")
     out = cli("jobs.status", "42", "--job-dir", str(tmp_path), timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "lists no runs" in out.stderr
     out = cli("jobs.status", "--job-dir", str(tmp_path), timeout=60)

@@ -18,16 +18,17 @@ from pathlib import Path
 
 import yaml
 
-from taehv_slurm.checkpoint import Checkpointer
 from taehv_slurm.config import load_cluster
-from taehv_slurm.requeue import EventLog
+from taehv_slurm.runtime.checkpoint import Checkpointer
+from taehv_slurm.runtime.runfiles import EventLog
 from tests.helpers import metrics, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = ["--cluster", "configs/platform/cluster.yaml", "--set", "torch_threads=1"]
-TINY = ["--train", "configs/train/tiny.yaml", "--set", "intervals.val_every=1000", "--set", "intervals.ckpt_every=1000"]
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-                  "NODE_RANK", "TAEHV_JOB_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID")
+TINY = ["--train", "configs/train/tiny.yaml", "--set", "intervals.val_every=1000",
+        "--set", "intervals.ckpt_every=1000"]
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "GROUP_RANK", "NODE_RANK", "TAEHV_JOB_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID")
 
 
 class ExitOnRank3:
@@ -36,7 +37,7 @@ class ExitOnRank3:
     def __call__(self, ctx) -> None:
         import torch.distributed as dist
 
-        from taehv_slurm.distenv import init_distributed
+        from taehv_slurm.runtime.distenv import init_distributed
 
         init_distributed(ctx.env, "gloo", timeout_s=120, rendezvous_timeout_s=120)
         if ctx.env.rank == 3:
@@ -52,7 +53,8 @@ def free_port() -> int:
 
 
 def start_node(tmp: Path, node: int, nodes: int, port: int, *args: str) -> tuple[subprocess.Popen, Path]:
-    """One launcher as the platform starts it on node `node`: node-level RANK / WORLD_SIZE, node 0's address."""
+    """One launcher as the platform starts it on node `node`: node-level RANK / WORLD_SIZE, node 0's
+    address."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     env.update(RANK=str(node), WORLD_SIZE=str(nodes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                TAEHV_JOB_ID=f"test-{port}", PYTHONPATH=str(REPO))
@@ -77,11 +79,13 @@ def run_nodes(tmp: Path, nodes: int, *args: str, timeout_s: float = 300) -> list
 def test_two_nodes_times_two_ranks_train_tiny(tmp_path: Path) -> None:
     run = tmp_path / "run"
     (code0, out0), (code1, out1) = run_nodes(tmp_path, 2, *CLUSTER, *TINY, "--procs-per-node", "2",
-                                             "--run-dir", str(run), "--set", "steps=6", "--set", "intervals.log_every=2")
+                                             "--run-dir", str(run), "--set", "steps=6",
+                                             "--set", "intervals.log_every=2")
     assert code0 == 0 and code1 == 0, out0[-3000:] + out1[-3000:]
     assert "[launch] node 0/2" in out0 and "ranks 0-1 of 4 (2 per node, cpu)" in out0
     assert "[launch] node 1/2" in out1 and "ranks 2-3 of 4 (2 per node, cpu)" in out1
-    results = [json.loads(line.split("result: ", 1)[1]) for line in out0.splitlines() if line.startswith("[taehv] result: ")]
+    results = [json.loads(line.split("result: ", 1)[1]) for line in out0.splitlines()
+               if line.startswith("[taehv] result: ")]
     assert len(results) == 1 and "result:" not in out1  # global rank 0 only
     assert results[0]["rank"] == 0 and results[0]["world_size"] == 4 and results[0]["step"] == 6
     rows = [r for r in metrics(run) if "loss" in r]
@@ -93,14 +97,15 @@ def test_two_nodes_times_two_ranks_train_tiny(tmp_path: Path) -> None:
 
 
 def test_smoke_all_reduce_over_four_ranks(tmp_path: Path) -> None:
-    outs = run_nodes(tmp_path, 2, *CLUSTER, "--task", "smoke", "--procs-per-node", "2", "--bandwidth-mib", "1",
-                     "--run-dir", str(tmp_path / "smoke"))
+    outs = run_nodes(tmp_path, 2, *CLUSTER, "--task", "smoke", "--procs-per-node", "2",
+                     "--bandwidth-mib", "1", "--run-dir", str(tmp_path / "smoke"))
     assert all(code == 0 for code, _ in outs), "".join(out[-2000:] for _, out in outs)
     facts = [json.loads(line.split("smoke: ", 1)[1]) for _, out in outs for line in out.splitlines()
              if line.startswith("[taehv] smoke: ")]
     assert sorted(f["rank"] for f in facts) == [0, 1, 2, 3]
     for f in facts:
-        assert f["world_size"] == 4 and f["sum"] == 6.0 and f["backend"] == "gloo" and f["source"] == "torchrun"
+        assert (f["world_size"] == 4 and f["sum"] == 6.0 and f["backend"] == "gloo"
+                and f["source"] == "torchrun")
         assert f["node_rank"] == f["rank"] // 2 and f["local_rank"] == f["rank"] % 2
         assert f["bus_bandwidth_gbps"]["1"] > 0
 
@@ -125,8 +130,8 @@ def test_a_rank_that_dies_takes_its_node_down_with_one_line(tmp_path: Path) -> N
     out1 = log1.read_text()
     assert node1.returncode == 7, out1[-3000:]
     errors = [line for line in out1.splitlines() if line.startswith("error: node")]
-    assert errors == ["error: node 1: rank 3 (local rank 1) exited with code 7; stopped the 1 other rank(s) of this "
-                      "node; rank 3's output above says why"]
+    assert errors == ["error: node 1: rank 3 (local rank 1) exited with code 7; stopped the 1 other rank(s) "
+                      "of this node; rank 3's output above says why"]
     died_at = float((run / "died_at").read_text())
     assert ended[1] - died_at < 10, f"node 1 took {ended[1] - died_at:.1f} s to go down"
     # Node 0's ranks lose their peer in the barrier, fail, and take node 0 down as well (no hang).
@@ -147,7 +152,8 @@ def test_sigterm_saves_and_a_restart_resumes(tmp_path: Path) -> None:
         proc.kill()
     out = log.read_text()
     assert code == 143, out[-3000:]
-    assert "caught SIGTERM; sending SIGTERM to 2 rank(s)" in out and "exiting 143 so the platform restarts" in out
+    assert ("caught SIGTERM; sending SIGTERM to 2 rank(s)" in out
+            and "exiting 143 so the platform restarts" in out)
     saved = Checkpointer(run / "checkpoints").latest_step()
     assert saved is not None and saved >= 3
     # On a platform the platform restarts the node: the run records that it saved and exited for that
@@ -166,12 +172,14 @@ def test_sigterm_saves_and_a_restart_resumes(tmp_path: Path) -> None:
 def test_torchrun_started_ranks_run_the_task_directly(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
     env["PYTHONPATH"] = str(REPO)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2",
                           "-m", "jobs.launch", *CLUSTER, "--task", "smoke", "--set", "device=cpu",
                           "--run-dir", str(tmp_path / "smoke")],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    facts = [json.loads(line.split("smoke: ", 1)[1]) for line in out.stdout.splitlines() if line.startswith("[taehv] smoke: ")]
+    facts = [json.loads(line.split("smoke: ", 1)[1]) for line in out.stdout.splitlines()
+             if line.startswith("[taehv] smoke: ")]
     assert sorted(f["rank"] for f in facts) == [0, 1] and {f["sum"] for f in facts} == {1.0}
     assert "[launch]" not in out.stdout  # no second layer of processes
 
@@ -189,7 +197,7 @@ def test_platform_config_and_k8s_manifest_agree() -> None:
     assert "job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
     assert pod["subdomain"] == service["metadata"]["name"]
     assert env["MASTER_ADDR"]["value"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
-    assert container["command"][:3] == ["python", "-m", "jobs.launch"]
+    assert container["command"][:2] == ["taehv", "launch"]
     assert pod["terminationGracePeriodSeconds"] >= cluster.kill_wait_s  # time for the ranks to save
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert cluster.job_dir in mounts  # checkpoints on the volume every pod shares

@@ -21,17 +21,15 @@ import pytest
 
 from taehv_slurm.config import load_cluster
 from taehv_slurm.submission import submit
-from tests.helpers import REPO, wait_for
+from tests.helpers import REPO, cli, wait_for
 
 TRAIN = ["--train", "configs/train/tiny.yaml"]
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=REPO, timeout=timeout)
-
 
 def start(job_dir: Path, name: str, *sets: str) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "jobs.submit", "--local", *TRAIN, "--name", name, "--set", f"job_dir={job_dir}",
+    argv = [sys.executable, "-m", "jobs.submit", "--local", *TRAIN, "--name", name,
+            "--set", f"job_dir={job_dir}",
             "--set", "intervals.log_every=1", *[a for s in sets for a in ("--set", s)]]
     # As a terminal's foreground job: SIGINT at its default action. Under a shell that started the tests
     # in the background it is ignored, and an ignored signal stays ignored across exec (Ctrl-C would be lost).
@@ -56,7 +54,8 @@ def test_a_failing_run_ends_failed_with_its_error_once(tmp_path: Path) -> None:
     assert proc.returncode == 1, out[-2000:] + err[-2000:]
     assert "ended: FAILED" in out and "Traceback" not in out + err
     errors = err.strip().splitlines()
-    assert len(errors) == 1 and errors[0].startswith(f"error: ValueError: video folder '{tmp_path / 'no-videos'}' does not exist")
+    assert len(errors) == 1 and errors[0].startswith(f"error: ValueError: video folder "
+                                                     f"'{tmp_path / 'no-videos'}' does not exist")
     log = errors[0].rsplit("full traceback: ", 1)[1]
     assert Path(log).is_file() and Path(log).read_text().count("Traceback (most recent call last)") == 1
     status = cli("jobs.status", "--job-dir", str(tmp_path)).stdout
@@ -91,7 +90,8 @@ def test_ctrl_c_saves_like_a_preemption(tmp_path: Path) -> None:
     run_dir = tmp_path / "interrupted"
     proc = start(tmp_path, "interrupted", "steps=300")
     wait_for(lambda: len(train_steps(run_dir)) >= 3, 240, "step 3")
-    proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends the CLI (the ranks run in their own session)
+    # what a terminal's Ctrl-C sends the CLI (the ranks run in their own session)
+    proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
     assert "interrupted: every rank saves at its next step" in out and "ended: CANCELLED" in out
@@ -114,7 +114,7 @@ class DiesOnRankOne:
 
         import torch.distributed as dist
 
-        from taehv_slurm.distenv import init_distributed
+        from taehv_slurm.runtime.distenv import init_distributed
 
         init_distributed(ctx.env, "gloo", timeout_s=3600)
         ctx.started(0)
@@ -129,7 +129,8 @@ class DiesOnRankOne:
 
 @pytest.mark.parametrize("rank0_raises", [False, True], ids=["rank0-hangs", "rank0-fails-after"])
 def test_a_rank_that_dies_takes_the_job_down(tmp_path: Path, rank0_raises: bool) -> None:
-    cluster = load_cluster(REPO / "configs/cluster/local.yaml", job_dir=str(tmp_path), requeue_on_failure=False)
+    cluster = load_cluster(REPO / "configs/cluster/local.yaml", job_dir=str(tmp_path),
+                           requeue_on_failure=False)
     handle = submit(DiesOnRankOne(rank0_raises), cluster, "dies")
     assert handle.wait(timeout_s=120, progress=False) == "FAILED"
     assert handle.error == "rank 1 exited with code 7"  # the cause, not rank 0's consequence

@@ -7,12 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from trainer.model import (
-    FAST_PATHS,
+from taehv_slurm.trainer.layers import FAST_PATHS, MemBlock, TGrow
+from taehv_slurm.trainer.model import (
     TAEHV,
-    MemBlock,
     TAEHVConfig,
-    TGrow,
     conv_flops_per_clip,
     load_published_weights,
     param_counts,
@@ -135,7 +133,8 @@ def test_encoder_is_causal_per_latent_group() -> None:
         z2 = _encode_with_frame_changed(model, x, k)
         group = k // 4
         torch.testing.assert_close(z2[:, :group], z[:, :group], rtol=0, atol=1e-6)
-        assert not torch.allclose(z2[:, group], z[:, group], atol=1e-4), f"frame {k} should reach latent {group}"
+        assert not torch.allclose(z2[:, group], z[:, group], atol=1e-4), (f"frame {k} should reach "
+                                                                          f"latent {group}")
 
 
 def test_first_latent_ignores_frames_4_to_11() -> None:
@@ -386,7 +385,7 @@ def test_conv_flops_pad_frames_and_scale_with_area() -> None:
 
 def _published_order(stack, x, n):
     """The published formulation: every block in stack order (Upsample before TGrow)."""
-    from trainer.model import MemBlock, _previous_frames
+    from taehv_slurm.trainer.layers import MemBlock, _previous_frames
 
     for block in stack:
         x = block(x, _previous_frames(x, n)) if isinstance(block, MemBlock) else block(x)
@@ -398,14 +397,17 @@ ODD_SHAPE = TAEHVConfig(encoder_width=8, decoder_widths=(16, 8, 8, 8), patch_siz
                         decoder_space_upscale=(True, False, True))
 
 
-@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last],
+                         ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("config", [TAEHVConfig(encoder_width=8, decoder_widths=(16, 8, 8, 8)), ODD_SHAPE],
                          ids=["default-shape", "odd-shape"])
-@pytest.mark.parametrize("fast_paths", [{}, {"fold_linear": False, "split_memblock": True}, {"phase_head": False},
+@pytest.mark.parametrize("fast_paths", [{}, {"fold_linear": False, "split_memblock": True},
+                                        {"phase_head": False},
                                         {"pair_first_stage": False, "pad_rgb_out": False}],
                          ids=["defaults", "unfolded-split", "no-phase-head", "no-pairs-no-pad"])
-def test_training_path_matches_the_published_formulation(memory_format: torch.memory_format, config: TAEHVConfig,
-                                                         fast_paths: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_path_matches_the_published_formulation(memory_format: torch.memory_format,
+                                                         config: TAEHVConfig, fast_paths: dict,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The training path (TGrow before each upsample, a cheap upsample backward, linear runs folded into
     one conv, the RGB head on phases, MemBlocks without the concat copy, the first encoder stage on
     frame pairs) computes what the published block order computes — outputs and every gradient."""
@@ -436,7 +438,7 @@ def test_training_path_matches_the_published_formulation(memory_format: torch.me
 def test_training_init_keeps_the_signal() -> None:
     """From scratch, the decoder's output must depend on its input at the start (default init: it does
     not, and training collapses to the mean colour)."""
-    from trainer.model import init_for_training
+    from taehv_slurm.trainer.model import init_for_training
 
     torch.manual_seed(0)
     model = TAEHV(TAEHVConfig(encoder_width=16, decoder_widths=(32, 32, 16, 16)))

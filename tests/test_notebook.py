@@ -1,7 +1,8 @@
 """notebooks/submit_and_monitor.ipynb, executed with nbclient against the real Slurm testbed.
 
 The notebook submits the tiny training and a two-point lr sweep, preempts the training once, reads
-metrics and accounting back, re-attaches to the run by name, and cancels a third run (which saves). The executed notebook and its plot are written outside the tracked
+metrics and accounting back, re-attaches to the run by name, and cancels a third run (which saves). The
+executed notebook and its plot are written outside the tracked
 tree, to $TAEHV_NOTEBOOK_OUT (default: the test's tmp folder); scripts/refresh_notebook.sh runs this test
 and copies both into notebooks/ and docs/, so the committed outputs and the PNG come from one run.
 """

@@ -54,7 +54,8 @@ def test_effective_batch_is_held(real, nodes: int, gpus: int, per_gpu: int, accu
     check_split(plan)
     assert plan.lr == pytest.approx(1e-4) and plan.warmup_steps == 2000  # same optimisation at any count
     assert plan.nccl_timeout_s == timeout
-    assert plan.engine == "allreduce"  # 11 M parameters: plain data parallelism is fastest and fits (measured, docs/benchmarks.md)
+    # 11 M parameters: plain data parallelism is fastest and fits (measured, docs/benchmarks.md)
+    assert plan.engine == "allreduce"
     assert plan.nccl_env["NCCL_BUFFSIZE"] == str((32 if nodes >= 8 else 16) * 2**20)
     assert str(plan.world_size) in plan.table()
 
@@ -70,7 +71,8 @@ def test_every_world_size_up_to_1024(real) -> None:
             plan_for(world, 1, real)
         message = str(err.value)
         assert "\n" not in message and f"cannot be split over {world} GPUs" in message
-        assert "use at most 128 node(s) × 1 = 128 GPUs" in message and f"batch.effective to {world} or more" in message
+        assert ("use at most 128 node(s) × 1 = 128 GPUs" in message
+                and f"batch.effective to {world} or more" in message)
 
 
 def test_3_and_5_nodes_of_8_split_unevenly_with_the_same_lr(real) -> None:
@@ -116,7 +118,8 @@ def test_explicit_accumulation(real) -> None:
 
 
 def test_engine_follows_memory(real) -> None:
-    # A model with ~1.3 B parameters: states of 21 GB per GPU under the all-reduce engine do not fit next to activations.
+    # A model with ~1.3 B parameters: states of 21 GB per GPU under the all-reduce engine do not fit next to
+    # activations.
     big = load_train(real.to_dict(), **{"model.decoder_widths": [4096, 4096, 4096, 64], "batch.per_gpu": 1})
     assert taehv_param_count(big) > 1e9
     plan = plan_for(1, 8, big, gpu_memory_gb=30)
@@ -126,7 +129,7 @@ def test_engine_follows_memory(real) -> None:
 
 
 def test_param_count_matches_the_model(real) -> None:
-    from trainer.model import TAEHV, TAEHVConfig, param_counts
+    from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, param_counts
 
     assert taehv_param_count(real) == param_counts(TAEHV(TAEHVConfig()))["total"]
     tiny = load_train({"model": {"encoder_width": 16, "decoder_widths": [32, 32, 16, 16]}})

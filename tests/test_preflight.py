@@ -20,12 +20,15 @@ ROW = re.compile(r"^(.+?)\s{2,}(PASS|FAIL|WARN|SKIP)\s+(.*)$")
 
 
 def preflight(tmp: Path, *args: str, nodes: int = 2) -> tuple[int, dict[str, tuple[str, str]], str]:
-    """Run the CLI on the testbed config (2 GPUs per node); returns (exit code, {check: (result, detail)}, output)."""
-    cmd = [sys.executable, "-m", "jobs.preflight", "--nodes", str(nodes), "--cluster", "configs/cluster/testbed.yaml",
-           "--train", "configs/train/tiny.yaml", "--gpus-per-node", "2", "--set", f"job_dir={tmp / 'runs'}", *args]
-    out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                         timeout=600)
-    rows = {m.group(1).strip(): (m.group(2), m.group(3)) for m in map(ROW.match, out.stdout.splitlines()) if m}
+    """Run the CLI on the testbed config (2 GPUs per node); returns (exit code, {check: (result, detail)},
+    output)."""
+    cmd = [sys.executable, "-m", "jobs.preflight", "--nodes", str(nodes),
+           "--cluster", "configs/cluster/testbed.yaml", "--train", "configs/train/tiny.yaml",
+           "--gpus-per-node", "2", "--set", f"job_dir={tmp / 'runs'}", *args]
+    out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                         text=True, timeout=600)
+    rows = {m.group(1).strip(): (m.group(2), m.group(3)) for m in map(ROW.match, out.stdout.splitlines())
+            if m}
     return out.returncode, rows, out.stdout + out.stderr
 
 
@@ -45,8 +48,8 @@ def test_passing_run_with_a_job_on_two_nodes(tmp_path: Path) -> None:
         assert rows[check][0] == "PASS", (check, rows.get(check))
     assert "torch 2" in rows["dependencies"][1] and "deepspeed" in rows["dependencies"][1]
     assert rows["dataset"][0] == "WARN"
-    assert "2 of 3 sampled decode" in rows["dataset"][1] and "1 skipped and counted: skipping b/broken.mp4: unreadable" \
-        in rows["dataset"][1]
+    assert ("2 of 3 sampled decode" in rows["dataset"][1]
+            and "1 skipped and counted: skipping b/broken.mp4: unreadable" in rows["dataset"][1])
     assert rows["rendezvous"][1].startswith("4/4 ranks joined")
     for node, ranks in (("node tb1", "ranks 0-1"), ("node tb2", "ranks 2-3")):
         detail = rows[node][1]
@@ -59,8 +62,8 @@ def test_passing_run_with_a_job_on_two_nodes(tmp_path: Path) -> None:
 def test_missing_partition_fails_that_row_and_submits_nothing(tmp_path: Path) -> None:
     code, rows, out = preflight(tmp_path, "--job", "--set", "partition=nosuch")
     assert code == 1, out
-    assert rows["partition"] == ("FAIL", "partition 'nosuch' not found; sinfo lists: tb: set partition (or --partition) "
-                                         "to one of them")
+    assert rows["partition"] == ("FAIL", "partition 'nosuch' not found; sinfo lists: tb: set partition "
+                                         "(or --partition) to one of them")
     assert rows["job"][0] == "SKIP"  # no job is submitted when a row already failed
     assert out.strip().splitlines()[-1] == "preflight FAILED: partition"
 
@@ -77,17 +80,19 @@ def test_missing_dataset(tmp_path: Path) -> None:
     missing = tmp_path / "nope"
     code, rows, out = preflight(tmp_path, "--set", "data.source=video", "--set", f"data.path={missing}")
     assert code == 1, out
-    assert rows["dataset"] == ("FAIL", f"ValueError: video folder '{missing}' does not exist or is not a directory; "
+    assert rows["dataset"] == ("FAIL", f"ValueError: video folder '{missing}' does not exist "
+                                       "or is not a directory; "
                                        "point the data root at a folder of .mp4/.webm/.mkv/.mov files")
     assert out.strip().splitlines()[-1] == "preflight FAILED: dataset"
 
 
 def test_gres_cpus_and_memory_the_nodes_do_not_have(tmp_path: Path) -> None:
-    code, rows, out = preflight(tmp_path, "--set", "gres=gpu:a100:2", "--set", "cpus_per_task=9", "--set", "mem_gb=64")
+    code, rows, out = preflight(tmp_path, "--set", "gres=gpu:a100:2", "--set", "cpus_per_task=9",
+                                "--set", "mem_gb=64")
     assert code == 1, out
-    assert rows["GPUs (gres)"] == ("FAIL", "0 of 2 usable node(s) offer gpu:a100:2 (nodes have gpu:8): set gpus_per_node "
-                                           "(or gres) to what the nodes have")
-    assert rows["CPUs"] == ("FAIL", "18 CPUs per node = 2 tasks × 9 cpus_per_task; 0 of 2 usable node(s) have that many "
-                                    "(at most 16): lower cpus_per_task to 8")
+    assert rows["GPUs (gres)"] == ("FAIL", "0 of 2 usable node(s) offer gpu:a100:2 (nodes have gpu:8): "
+                                           "set gpus_per_node (or gres) to what the nodes have")
+    assert rows["CPUs"] == ("FAIL", "18 CPUs per node = 2 tasks × 9 cpus_per_task; 0 of 2 usable node(s) "
+                                    "have that many (at most 16): lower cpus_per_task to 8")
     assert rows["memory"][0] == "FAIL" and "mem_gb 64 per node" in rows["memory"][1]
     assert out.strip().splitlines()[-1] == "preflight FAILED: GPUs (gres), CPUs, memory, nodes"

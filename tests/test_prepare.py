@@ -22,26 +22,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from taehv_slurm.requeue import EventLog
+from taehv_slurm.runtime.runfiles import EventLog
+from taehv_slurm.trainer.data import ClipSpec, VideoFolderClips
+from taehv_slurm.trainer.manifest import INDEX_FILE, MANIFEST_FILE, PrepareSettings, index_windows
+from taehv_slurm.trainer.prepare import PrepareTask, should_abandon
+from taehv_slurm.trainer.prepared import PreparedClips
+from taehv_slurm.trainer.shapes import teacher_frame_count
+from taehv_slurm.trainer.shards import read_shard_header, shard_path, verify, write_shard
+from taehv_slurm.trainer.teacher import load_teacher
+from taehv_slurm.training import submit_training
 from tests.helpers import REPO, make_cluster, metrics, tiny_train, wait_done, wait_for
 from tests.videos import nearest_frame, write_garbage, write_video
-from trainer.data import ClipSpec, VideoFolderClips
-from trainer.prepare import (
-    INDEX_FILE,
-    MANIFEST_FILE,
-    PrepareSettings,
-    PrepareTask,
-    index_windows,
-    read_shard_header,
-    shard_path,
-    should_abandon,
-    verify,
-    write_shard,
-)
-from trainer.prepared import PreparedClips
-from trainer.shapes import teacher_frame_count
-from trainer.submit import submit_training
-from trainer.teacher import load_teacher
 
 SPEC = ClipSpec(frames=8, height=64, width=64)
 LENGTHS = (24, 30, 36, 40, 28, 20)  # frames per video: 3, 3, 4, 5, 3, 2 non-overlapping 8-frame windows
@@ -103,7 +94,8 @@ def test_round_trip_alignment_and_order(prepared: Path, videos: Path) -> None:
     index = pd.read_csv(prepared / INDEX_FILE)
     assert list(index.columns) == ["window", "video", "window_start", "shard", "offset"]
     assert list(zip(index.video, index.window_start)) == [(relative(p, videos), s) for p, s in clips.windows]
-    assert list(index.window) == list(range(len(clips))) and not index.duplicated(["video", "window_start"]).any()
+    assert (list(index.window) == list(range(len(clips)))
+            and not index.duplicated(["video", "window_start"]).any())
 
     data = PreparedClips(prepared, SPEC)
     assert len(data) == len(clips) == 20
@@ -136,19 +128,22 @@ def test_round_trip_alignment_and_order(prepared: Path, videos: Path) -> None:
     loader = torch.utils.data.DataLoader(PreparedClips(prepared, SPEC), batch_size=6, num_workers=2)
     batches = list(loader)
     assert torch.equal(torch.cat([b["index"] for b in batches]), torch.arange(20))
-    assert torch.equal(torch.cat([b["frames"] for b in batches]), torch.stack([data[i]["frames"] for i in range(20)]))
-    assert torch.equal(torch.cat([b["latents"] for b in batches]), torch.stack([data[i]["latents"] for i in range(20)]))
+    assert torch.equal(torch.cat([b["frames"] for b in batches]),
+                       torch.stack([data[i]["frames"] for i in range(20)]))
+    assert torch.equal(torch.cat([b["latents"] for b in batches]),
+                       torch.stack([data[i]["latents"] for i in range(20)]))
 
 
 def test_prepared_clips_refuse_bad_folders_in_one_line(prepared: Path, tmp_path: Path) -> None:
     cases = [
         (tmp_path / "nowhere", SPEC, "does not exist"),
         (_mkdir(tmp_path / "empty"), SPEC, "is not a prepared data folder"),
-        (prepared, ClipSpec(12, 64, 64), "holds 8×64×64 clips (frames×height×width) but the config asks for 12×64×64"),
+        (prepared, ClipSpec(12, 64, 64),
+         "holds 8×64×64 clips (frames×height×width) but the config asks for 12×64×64"),
     ]
     unverified = _mkdir(tmp_path / "unverified")
     shutil.copy(prepared / MANIFEST_FILE, unverified / MANIFEST_FILE)
-    cases.append((unverified, SPEC, "python -m jobs.prepare --verify --out"))
+    cases.append((unverified, SPEC, "taehv prepare --verify --out"))
     for root, spec, needle in cases:
         with pytest.raises(ValueError) as err:
             PreparedClips(root, spec)
@@ -168,22 +163,27 @@ def test_verify_detects_missing_and_misplaced_shards(prepared: Path, tmp_path: P
 
     shutil.copy(shard_path(copy, 0), shard_path(copy, 1))  # shard 1's file holding shard 0's windows
     meta, _ = read_shard_header(shard_path(copy, 2))  # shard 2 naming other videos: from another preparation
-    write_shard(shard_path(copy, 2), load_file(shard_path(copy, 2)), {**meta, "rows": json.dumps([["x.mp4", 0]] * 3)})
+    write_shard(shard_path(copy, 2), load_file(shard_path(copy, 2)),
+                {**meta, "rows": json.dumps([["x.mp4", 0]] * 3)})
     report = verify(copy)
     assert report.bad_shards == ["shard 1: holds window(s) 0, 1, 2 that belong to other shards",
-                                 "shard 2: its (video, window_start) rows differ from this folder's window list: "
-                                 "it comes from another preparation"]
+                                 "shard 2: its (video, window_start) rows differ from this folder's "
+                                 "window list: it comes from another preparation"]
     shutil.copytree(prepared / "shards", copy / "shards", dirs_exist_ok=True)
     shard_path(copy, 1).unlink()
 
     # The CLI's --verify: exit 1 and the table while incomplete; torch never imported.
     code = ("import sys, runpy; sys.argv=['jobs.prepare','--verify','--out',sys.argv[1]]\n"
-            "try:\n    runpy.run_module('jobs.prepare', run_name='__main__')\nexcept SystemExit as e:\n    print('EXIT', e.code)\n"
+            "try:\n    runpy.run_module('jobs.prepare', run_name='__main__')\n"
+            "except SystemExit as e:\n    print('EXIT', e.code)\n"
             "print('TORCH' if 'torch' in sys.modules else 'NO_TORCH')")
-    out = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert "INCOMPLETE" in out.stdout and "EXIT 1" in out.stdout and out.stdout.strip().endswith("NO_TORCH"), out
+    out = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
+    assert ("INCOMPLETE" in out.stdout and "EXIT 1" in out.stdout
+            and out.stdout.strip().endswith("NO_TORCH")), out
     shard_path(copy, 1).write_bytes(shard1)
-    out = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, cwd=REPO,
+                         timeout=120)
     assert ": OK" in out.stdout and "EXIT 0" in out.stdout, out
     assert (copy / INDEX_FILE).read_text() == original
 
@@ -215,38 +215,44 @@ def test_a_signalled_shard_is_finished_only_when_that_fits() -> None:
     assert should_abandon(31, 32, 31.0, 12.0, 12.5)  # the budget is spent
 
 
-def test_cli_dry_run_imports_no_torch_and_bad_input_is_one_line(prepared: Path, videos: Path, tmp_path: Path) -> None:
+def test_cli_dry_run_imports_no_torch_and_bad_input_is_one_line(prepared: Path, videos: Path,
+                                                                 tmp_path: Path) -> None:
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     cluttered = _mkdir(tmp_path / "cluttered")
     (cluttered / "notes.txt").write_text("x")
-    tiny = ["--teacher-path", "random:tiny", "--frames", "8", "--height", "64", "--width", "64", "--shard-size", "3"]
-    job = ["--cluster", "configs/cluster/testbed.yaml", "--nodes", "2", "--gpus-per-node", "1", "--set", f"job_dir={tmp_path}"]
+    tiny = ["--teacher-path", "random:tiny", "--frames", "8", "--height", "64", "--width", "64",
+            "--shard-size", "3"]
+    job = ["--cluster", "configs/cluster/testbed.yaml", "--nodes", "2", "--gpus-per-node", "1",
+           "--set", f"job_dir={tmp_path}"]
     cases = {
         "dry_new": ["--data", str(videos), "--out", str(tmp_path / "new"), *tiny, *job, "--dry-run"],
         "dry_resume": ["--data", str(videos), "--out", str(prepared), *tiny, *job, "--dry-run"],
         "no_data": ["--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"), *tiny],
         "no_videos": ["--data", str(_mkdir(tmp_path / "no_videos")), "--out", str(tmp_path / "o"), *tiny],
-        "bad_teacher": ["--data", str(videos), "--out", str(tmp_path / "o"), *tiny, "--teacher-path", str(tmp_path / "vae")],
+        "bad_teacher": ["--data", str(videos), "--out", str(tmp_path / "o"), *tiny,
+                        "--teacher-path", str(tmp_path / "vae")],
         "out_is_file": ["--data", str(videos), "--out", str(a_file), *tiny],
         "out_cluttered": ["--data", str(videos), "--out", str(cluttered), *tiny],
         "other_settings": ["--data", str(videos), "--out", str(prepared), *tiny, "--frames", "12"],
         "train_key": ["--data", str(videos), "--out", str(tmp_path / "o"), *tiny, "--set", "optim.lr=1"],
     }
     # One interpreter runs every case: it shows that none of them imports torch.
-    code = ("import contextlib, io, json, sys\nfrom jobs.prepare import main\nresults = {}\n"
+    code = ("import contextlib, io, json, sys\nfrom taehv_slurm.cli.prepare import main\nresults = {}\n"
             "for name, argv in json.loads(sys.argv[1]).items():\n"
             "    out, err = io.StringIO(), io.StringIO()\n"
             "    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):\n"
             "        code = main(argv)\n"
             "    results[name] = [code, out.getvalue(), err.getvalue()]\n"
             "results['torch'] = 'torch' in sys.modules\nprint(json.dumps(results))")
-    run = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
     assert results.pop("torch") is False
     code, out, _ = results.pop("dry_new")
-    assert code == 0 and "7 video files" in out and "#SBATCH --nodes=2" in out and "#SBATCH --job-name=taehv-testbed-prepare" in out
+    assert (code == 0 and "7 video files" in out and "#SBATCH --nodes=2" in out
+            and "#SBATCH --job-name=taehv-testbed-prepare" in out)
     code, out, _ = results.pop("dry_resume")
     assert code == 0 and "7 of 7 shards done" in out
     expected = {
@@ -261,7 +267,8 @@ def test_cli_dry_run_imports_no_torch_and_bad_input_is_one_line(prepared: Path, 
     for name, needle in expected.items():
         code, out, err = results[name]
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and needle in err, (name, err)
-    assert not (tmp_path / "o").exists() and not (tmp_path / "new").exists()  # bad input and dry runs write nothing
+    # bad input and dry runs write nothing
+    assert not (tmp_path / "o").exists() and not (tmp_path / "new").exists()
 
 
 # ------------------------------------------------------------------------------- on the testbed
@@ -275,8 +282,9 @@ def shard_events(run_dir: Path) -> list[dict]:
 def test_two_node_job_preempted_once_then_training_from_the_shards(videos: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     # 96×96 windows every frame (stride 1): ~120 windows, enough work that the requeue lands mid-run.
-    argv = [sys.executable, "-m", "jobs.prepare", "--data", str(videos), "--out", str(out), "--teacher-path", "random:tiny",
-            "--frames", "8", "--height", "96", "--width", "96", "--stride", "1", "--shard-size", "4", "--batch", "2",
+    argv = [sys.executable, "-m", "jobs.prepare", "--data", str(videos), "--out", str(out),
+            "--teacher-path", "random:tiny", "--frames", "8", "--height", "96", "--width", "96",
+            "--stride", "1", "--shard-size", "4", "--batch", "2",
             "--cluster", "configs/cluster/testbed.yaml", "--nodes", "2", "--gpus-per-node", "1",
             "--set", f"job_dir={tmp_path / 'runs'}", "--name", "prep", "--follow"]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -307,7 +315,8 @@ def test_two_node_job_preempted_once_then_training_from_the_shards(videos: Path,
     num_shards = starts[0]["shards"]
     first = {e["shard"] for e in written if e["segment"] == 0}
     assert 0 < len(first) < num_shards, "the requeue must land after the first shard and before the last"
-    assert starts[1]["step"] == requeues[0]["step"] == len(first) and starts[1]["remaining"] == num_shards - len(first)
+    assert (starts[1]["step"] == requeues[0]["step"] == len(first)
+            and starts[1]["remaining"] == num_shards - len(first))
     assert sorted(e["shard"] for e in written) == list(range(num_shards))  # each shard written exactly once
     assert {e["rank"] for e in written} == {0, 1}
     restarted = starts[1]["time"]
@@ -321,9 +330,9 @@ def test_two_node_job_preempted_once_then_training_from_the_shards(videos: Path,
     assert verify(out).ok
 
     # Train from the shards: stored latents are the teacher targets (no teacher in the job).
-    train = tiny_train(steps=3, **{"data.source": "prepared", "data.path": str(out), "data.height": 96, "data.width": 96,
-                                   "teacher.kind": "none", "teacher.path": None, "intervals.log_every": 1,
-                                   "intervals.val_every": 3, "data.val_clips": 2})
+    train = tiny_train(steps=3, **{"data.source": "prepared", "data.path": str(out), "data.height": 96,
+                                   "data.width": 96, "teacher.kind": "none", "teacher.path": None,
+                                   "intervals.log_every": 1, "intervals.val_every": 3, "data.val_clips": 2})
     handle = submit_training(make_cluster(tmp_path / "runs", nodes=1, gpus_per_node=1), train, "train")[0]
     assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)
     rows = [r for r in metrics(handle.run_dir) if "loss" in r]

@@ -17,10 +17,14 @@ from pathlib import Path
 import pytest
 from submitit.helpers import DelayedSubmission
 
+from taehv_slurm.backends import LocalBackend
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.requeue import LOCAL_REQUEUE_EXIT_CODE, EventLog, RequeueableTask
+from taehv_slurm.runtime.controller import LOCAL_REQUEUE_EXIT_CODE
+from taehv_slurm.runtime.requeue import RequeueableTask
+from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.security import make_private_dir, private_umask
 from taehv_slurm.submission import submit
+from taehv_slurm.training import submit_training
 from tests.helpers import (
     LOCAL_TASK_ENV,
     assert_identical,
@@ -33,11 +37,11 @@ from tests.helpers import (
     wait_for,
 )
 from tests.tasks import CountingTask, CrashAfterStart, StopAtFirstBoundary
-from trainer.submit import submit_training
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
-EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000, "batch.per_gpu": 2}
+EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000,
+         "batch.per_gpu": 2}
 
 
 def events(handle: JobHandle, kind: str) -> list[dict]:
@@ -99,7 +103,8 @@ def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -
     assert wait_done(reference.job_id, 600) == "COMPLETED", reference.tail(60)
     requeues = events(timed, "requeue")
     assert requeues and all((e["reason"], e["by"]) == ("timeout", "self") for e in requeues)
-    assert sacct_states(timed) == ["REQUEUED"] * len(requeues) + ["COMPLETED"]  # each recorded requeue happened
+    # each recorded requeue happened
+    assert sacct_states(timed) == ["REQUEUED"] * len(requeues) + ["COMPLETED"]
     assert trained_steps(timed.run_dir) == list(range(1, 201))
     assert wait_done(no_warning.job_id, 600) == "COMPLETED", no_warning.tail(60)
     sigterm = events(no_warning, "requeue")
@@ -118,7 +123,8 @@ def test_crash_loop_stops_with_a_reason(tmp_path: Path) -> None:
     handle = submit(CrashAfterStart(), cluster, "crashing")
     assert wait_done(handle.job_id, 600) == "FAILED", handle.tail(60)
     assert len(events(handle, "start")) == 3  # the first run and two requeues without progress
-    assert handle.stop_reason and handle.stop_reason.startswith("no progress: 3 starts in a row began at step 0")
+    assert (handle.stop_reason
+            and handle.stop_reason.startswith("no progress: 3 starts in a row began at step 0"))
     assert "simulated crash right after the restart" in handle.stop_reason
     assert "not requeueing: no progress" in handle.tail(200)
     attached = JobHandle.attach(handle.job_id, tmp_path)
@@ -131,7 +137,7 @@ def test_crash_loop_stops_with_a_reason(tmp_path: Path) -> None:
 SIGNALLED_AFTER_FINISHING = """
 import os, subprocess, sys, time
 from pathlib import Path
-from taehv_slurm.requeue import RequeueableTask
+from taehv_slurm.runtime.requeue import RequeueableTask
 
 def train(ctx):
     ctx.started(0)
@@ -142,7 +148,8 @@ run_dir = Path(sys.argv[1])
 print(RequeueableTask(train, run_dir)(), flush=True)
 marker = run_dir / "signalled"
 subprocess.Popen(["sh", "-c", f"while kill -USR2 {os.getpid()} && kill -TERM {os.getpid()}; "
-                  f"do touch {marker}; sleep 0.001; done"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                  f"do touch {marker}; sleep 0.001; done"],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 while not marker.exists():
     time.sleep(0.001)
 """
@@ -170,20 +177,25 @@ def test_signals_while_the_task_starts_are_kept_for_the_first_step_boundary(tmp_
     # arrive while the entry point still waits for its pickle, and the task must act on them once it runs.
     run_dir = make_private_dir(tmp_path / "run")
     folder = make_private_dir(run_dir / "submitit")
-    entry = subprocess.Popen([sys.executable, "-m", "taehv_slurm.entry", str(folder)], text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **LOCAL_TASK_ENV})
-    deadline = time.monotonic() + 10  # until the entry point's handlers are in (without them: signal it anyway)
+    entry = subprocess.Popen([sys.executable, "-m", "taehv_slurm.runtime.entry", str(folder)], text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env={**os.environ, **LOCAL_TASK_ENV})
+    # until the entry point's handlers are in (without them: signal it anyway)
+    deadline = time.monotonic() + 10
     while not catches(entry.pid, signal.SIGUSR2) and entry.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     os.kill(entry.pid, signal.SIGTERM)
     os.kill(entry.pid, signal.SIGUSR2)
     time.sleep(1.0)
     with private_umask():  # as submit() writes it
-        DelayedSubmission(RequeueableTask(StopAtFirstBoundary(), run_dir)).dump(folder / "4242_submitted.pkl")
+        DelayedSubmission(RequeueableTask(StopAtFirstBoundary(), run_dir, backend=LocalBackend())).dump(
+            folder / "4242_submitted.pkl")
     output, _ = entry.communicate(timeout=120)
 
     assert entry.returncode == LOCAL_REQUEUE_EXIT_CODE, output  # saved and asked to be requeued, not killed
-    assert "caught SIGUSR2" in output and "saved step 0; requeued (timeout, by local controller)" in output, output
+    assert ("caught SIGUSR2" in output
+            and "saved step 0; requeued (timeout, by local controller)" in output), output
     start, requeue = EventLog(run_dir / "events.jsonl").read()
-    assert (start["event"], requeue["event"], requeue["reason"], requeue["step"]) == ("start", "requeue", "timeout", 0)
+    assert ((start["event"], requeue["event"], requeue["reason"], requeue["step"])
+            == ("start", "requeue", "timeout", 0))
     assert requeue["signal_to_saved_s"] >= 1.0  # timed from the signal's arrival, not from the task's start

@@ -11,8 +11,8 @@ without its warning is tested beside the time-limit test in tests/test_requeue.p
 - `no_scontrol`: a job whose scontrol cannot be found where it starts fails at once, saying why;
 - `unreachable`: scontrol cannot reach the controller at the warning: `requeue_failed`, the job ends
   FAILED with one line naming cause, fix and resume, and resubmitting the name loses no step;
-- `nested` (submitted by its test): a user's function that builds and calls TrainTask itself (ignoring its context) saves at
-  a preemption into the run folder and resumes there;
+- `nested` (submitted by its test): a user's function that builds and calls TrainTask itself (ignoring its
+  context) saves at a preemption into the run folder and resumes there;
 - `never_polls`: a task that never reaches a step boundary is reported once and its restart counts as
   no progress;
 - `busy`: a second job for a run with a live job is refused by submit() and, when started anyway, by
@@ -38,12 +38,14 @@ from pathlib import Path
 
 import pytest
 
+from taehv_slurm.backends import SlurmBackend
 from taehv_slurm.executor import make_executor
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.requeue import EventLog, NotRequeueableError, RequeueableTask
+from taehv_slurm.runtime.requeue import NotRequeueableError, RequeueableTask
+from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.submission import RunBusyError, submit
 from tests.helpers import REPO, make_cluster, tiny_train, wait_done, wait_for
-from tests.tasks import CountingTask, NeverPolls, train_ignoring_the_context
+from tests.tasks import CountingTask, NeverPolls, train_with_the_context
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -106,10 +108,13 @@ def cases(slurm_cluster, tmp_path_factory) -> Iterator[Cases]:
         path_replaced=submit(CountingTask(30, pause_at=3), one(time_min=10, setup=[f"export PATH={bindir}"]),
                              "path-replaced"),
         unreachable=submit(CountingTask(30, pause_at=3),
-                           one(time_min=10, env={"TAEHV_SCONTROL": str(unreachable_scontrol(job_dir))}), "unreachable"),
-        no_scontrol=submit(CountingTask(30), one(time_min=10, env={"TAEHV_SCONTROL": "/nonexistent/scontrol"}),
+                           one(time_min=10, env={"TAEHV_SCONTROL": str(unreachable_scontrol(job_dir))}),
+                           "unreachable"),
+        no_scontrol=submit(CountingTask(30),
+                           one(time_min=10, env={"TAEHV_SCONTROL": "/nonexistent/scontrol"}),
                            "no-scontrol"),
-        never_polls=submit(NeverPolls(), one(time_min=10, kill_wait_s=10, max_requeues_without_progress=0), "never"),
+        never_polls=submit(NeverPolls(), one(time_min=10, kill_wait_s=10, max_requeues_without_progress=0),
+                           "never"),
         busy=submit(CountingTask(3000), one(time_min=15), "busy"),
         mktemp_job=make_executor(one(), mktemp_folder).submit(os.getpid),
         mktemp_folder=mktemp_folder,
@@ -117,7 +122,8 @@ def cases(slurm_cluster, tmp_path_factory) -> Iterator[Cases]:
     try:
         yield found
     finally:
-        ids = [h.job_id for h in (found.path_replaced, found.unreachable, found.no_scontrol, found.never_polls, found.busy)]
+        ids = [h.job_id for h in (found.path_replaced, found.unreachable, found.no_scontrol,
+                                  found.never_polls, found.busy)]
         subprocess.run(["scancel", *ids], capture_output=True)
         shutil.rmtree(mktemp_folder, ignore_errors=True)
 
@@ -151,18 +157,21 @@ def test_a_refused_requeue_fails_the_job_in_one_line_and_the_name_resumes(cases:
     (failed,) = events(handle, "requeue_failed")
     # scontrol either reports the failed connection or does not answer in the time the signal leaves
     assert failed["reason"] == "timeout" and failed["error"].startswith("scontrol requeue: ")
-    assert "Unable to contact slurm controller" in failed["error"] or "did not answer within" in failed["error"]
+    assert ("Unable to contact slurm controller" in failed["error"]
+            or "did not answer within" in failed["error"])
     saved = failed["step"]
     line = one_line(handle.error)
     assert line.startswith(f"saved step {saved} but could not requeue: scontrol requeue: ")
     assert "the Slurm controller was unreachable from the node" in line
     errors = [ln for ln in handle.tail(200).splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1 and f"resume with `python -m jobs.submit --name {handle.name}`" in errors[0]
-    status = subprocess.run([sys.executable, "-m", "jobs.status", handle.job_id, "--job-dir", str(cases.job_dir)],
+    assert len(errors) == 1 and f"resume with `taehv submit --name {handle.name}`" in errors[0]
+    status = subprocess.run([sys.executable, "-m", "jobs.status", handle.job_id,
+                             "--job-dir", str(cases.job_dir)],
                             capture_output=True, text=True, cwd=REPO, timeout=60).stdout
     assert "FAILED" in status and "could not requeue" in status
     # Nothing lost: the same name resumes from the saved step.
-    again = submit(CountingTask(30, pause_at=3), make_cluster(cases.job_dir, nodes=1, gpus_per_node=1, time_min=10),
+    again = submit(CountingTask(30, pause_at=3),
+                   make_cluster(cases.job_dir, nodes=1, gpus_per_node=1, time_min=10),
                    handle.name)
     assert wait_done(again.job_id, 300) == "COMPLETED", again.tail(40)
     assert events(again, "start")[-1]["step"] == saved
@@ -173,17 +182,19 @@ def test_a_job_that_could_never_requeue_fails_at_the_start(cases: Cases) -> None
     handle = cases.no_scontrol
     assert wait_done(handle.job_id, 120) == "FAILED", handle.tail(40)
     assert not events(handle, "start")  # failed before it trained anything
-    assert handle.error == ("RequeueImpossibleError: TAEHV_SCONTROL=/nonexistent/scontrol is not an executable where "
-                            "the job starts, so it could never requeue itself: put Slurm's bin folder on PATH for jobs, "
+    assert handle.error == ("RequeueImpossibleError: TAEHV_SCONTROL=/nonexistent/scontrol is not an "
+                            "executable where the job starts, so it could never requeue itself: put Slurm's "
+                            "bin folder on PATH for jobs, "
                             "or set TAEHV_SCONTROL in the cluster env to scontrol's path on the nodes")
 
 
-def test_a_task_that_builds_its_own_trainer_saves_into_the_run_folder(cases: Cases) -> None:
+def test_a_task_that_builds_its_own_trainer_with_its_context_saves_into_the_run_folder(cases: Cases) -> None:
     name = f"nested-{uuid.uuid4().hex[:6]}"  # its train config's name: a standalone run would use runs/<name>
     cluster = make_cluster(cases.job_dir, nodes=1, gpus_per_node=1, time_min=10)
-    handle = submit(functools.partial(train_ignoring_the_context, name), cluster, "nested")
+    handle = submit(functools.partial(train_with_the_context, name), cluster, "nested")
     metrics = Path(handle.run_dir) / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "nested training to log")
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300,
+             "nested training to log")
     subprocess.run(["scontrol", "requeue", handle.job_id], check=True)  # preemption
     assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
     (requeue,) = events(handle, "requeue")
@@ -203,7 +214,8 @@ def test_a_task_that_never_polls_is_reported_once_and_counts_as_no_progress(case
     kinds = [e["event"] for e in events(handle)]
     assert kinds == ["start", "failure", "stopped"], kinds
     (failure,) = events(handle, "failure")
-    assert failure["error"].startswith("the task never called ctx.step_boundary (or ctx.should_stop) in the 5 s")
+    assert failure["error"].startswith("the task never called ctx.step_boundary (or ctx.should_stop) "
+                                       "in the 5 s")
     assert events(handle, "stopped")[0]["reason"].startswith("no progress: 1 starts in a row began at step 0")
     said = [ln for ln in handle.tail(200).splitlines() if ln.startswith("[taehv] the task never called")]
     assert len(said) == 1  # reported once (the stop reason that follows quotes it as the last error)
@@ -218,16 +230,17 @@ def test_one_live_job_per_run(cases: Cases) -> None:
         submit(CountingTask(3000), cluster, "busy")
     message = one_line(str(err.value))
     assert f"run busy already has job {handle.job_id} (RUNNING)" in message
-    assert f"python -m jobs.logs {handle.job_id} --follow" in message and f"python -m jobs.cancel {handle.job_id}" in message
+    assert f"taehv logs {handle.job_id} --follow" in message and f"taehv cancel {handle.job_id}" in message
     assert "--force" in message
     assert (cases.job_dir / "registry.jsonl").read_text() == registry  # nothing submitted
 
     # Started around submit() (another registry, by hand): the run folder's lock refuses it.
     stray = make_executor(cluster, Path(handle.run_dir) / "stray-submitit", run_dir=handle.run_dir)
-    job = stray.submit(RequeueableTask(CountingTask(3000), handle.run_dir))
+    job = stray.submit(RequeueableTask(CountingTask(3000), handle.run_dir, backend=SlurmBackend()))
     assert wait_done(str(job.job_id), 120) == "FAILED"
     log = Path(handle.run_dir) / "stray-submitit" / f"{job.job_id}_0_log.out"
-    assert f"is trained by job {handle.job_id} (RUNNING): two jobs must never train one folder" in log.read_text()
+    assert (f"is trained by job {handle.job_id} (RUNNING): two jobs must never train one folder"
+            in log.read_text())
     assert handle.state == "RUNNING"
     done = steps_done(handle.run_dir)
     assert done == list(range(1, len(done) + 1))  # the second job trained nothing
@@ -236,13 +249,15 @@ def test_one_live_job_per_run(cases: Cases) -> None:
     forced = submit(CountingTask(3000), cluster, "busy", force=True)
     (cancelled,) = events(handle, "cancelled")
     assert wait_done(handle.job_id, 60) == "CANCELLED"
-    wait_for(lambda: [e for e in events(forced, "start") if e["job_id"] == forced.job_id], 120, "the forced job to start")
-    assert [e for e in events(forced, "start") if e["job_id"] == forced.job_id][0]["step"] == cancelled["step"]
+    wait_for(lambda: [e for e in events(forced, "start") if e["job_id"] == forced.job_id], 120,
+             "the forced job to start")
+    assert ([e for e in events(forced, "start") if e["job_id"] == forced.job_id][0]["step"]
+            == cancelled["step"])
     subprocess.run(["scancel", forced.job_id], check=True)
 
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(cases: Cases) -> None:
-    from trainer.submit import submit_training
+    from taehv_slurm.training import submit_training
 
     cluster = make_cluster(cases.job_dir, nodes=1, gpus_per_node=1, time_min=10)
     steady = {"intervals.log_every": 1, "intervals.ckpt_every": 2, "intervals.keep_checkpoints": 3}
@@ -276,6 +291,7 @@ def test_submit_refuses_callables_that_cannot_take_the_context(tmp_path: Path) -
         with pytest.raises(NotRequeueableError) as err:
             submit(task, cluster, "never")
         message = one_line(str(err.value))
-        assert "cannot be called with its run context" in message and "ctx.step_boundary(step, save)" in message
+        assert ("cannot be called with its run context" in message
+                and "ctx.step_boundary(step, save)" in message)
         assert "requeueable=False" in message
     assert not (tmp_path / "jobs").exists()  # refused before any folder was made

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from taehv_slurm.executor import SubmissionError, make_executor
-from taehv_slurm.smoke import SmokeTask
+from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.submission import submit
+from taehv_slurm.trainer.task import TrainTask
+from taehv_slurm.training import submit_training
 from tests.helpers import REPO, final_state, make_cluster, metrics, tiny_train, wait_done
-from trainer.submit import submit_training
-from trainer.train import TrainTask
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -46,7 +46,8 @@ def test_sbatch_rejection_is_one_line_and_leaves_nothing(tmp_path: Path) -> None
             message = str(err.value)
             assert "\n" not in message and message.startswith("sbatch rejected the job:")
             assert needle in message.lower()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+    assert (sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+            and list((tmp_path / "kept").iterdir()) == [])
 
 
 def test_train_task_pickles() -> None:
@@ -61,7 +62,8 @@ def test_tiny_training_on_two_nodes(tmp_path: Path) -> None:
     handle = submit_training(cluster, train, "two-nodes")[0]
     assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(40)
     results = handle.results()
-    assert len(results) == 4 and {r["world_size"] for r in results} == {4} and {r["step"] for r in results} == {30}
+    assert (len(results) == 4 and {r["world_size"] for r in results} == {4}
+            and {r["step"] for r in results} == {30})
     rows = [r for r in metrics(handle.run_dir) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25, 30]  # rank 0 only: each step once
     assert rows[-1]["loss"] < rows[0]["loss"]
@@ -77,22 +79,27 @@ def test_cli_dry_run_imports_no_torch() -> None:
     code = ("import sys, runpy; sys.argv=['jobs.submit','--nodes','8','--dry-run'];"
             "\ntry:\n    runpy.run_module('jobs.submit', run_name='__main__')\nexcept SystemExit:\n    pass\n"
             "print('TORCH_LOADED' if 'torch' in sys.modules else 'NO_TORCH')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60).stdout
-    assert "#SBATCH --nodes=8" in out and "#SBATCH --ntasks-per-node=8" in out and "#SBATCH --gres=gpu:8" in out
-    assert "world size 64" in out and "effective batch     128 = 64 ranks × 2; micro-batch 2, 1 per step" in out
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                         timeout=60).stdout
+    assert ("#SBATCH --nodes=8" in out and "#SBATCH --ntasks-per-node=8" in out
+            and "#SBATCH --gres=gpu:8" in out)
+    assert ("world size 64" in out
+            and "effective batch     128 = 64 ranks × 2; micro-batch 2, 1 per step" in out)
     assert out.strip().endswith("NO_TORCH")
 
 
 def test_cli_submit_smoke_and_local_training(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run([sys.executable, "-m", "jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--task", "smoke",
+    out = subprocess.run([sys.executable, "-m", "jobs.submit", "--cluster", "configs/cluster/testbed.yaml",
+                          "--task", "smoke",
                           "--nodes", "2", "--gpus-per-node", "2", "--set", f"job_dir={tmp_path}", "--follow"],
                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "submitted job" in out.stdout and "ended: COMPLETED" in out.stdout
     assert out.stdout.count("'sum': 6.0") == 4
-    local = subprocess.run([sys.executable, "-m", "jobs.submit", "--local", "--train", "configs/train/tiny.yaml",
-                            "--set", "steps=20", "--set", "intervals.log_every=5", "--set", f"job_dir={tmp_path}"],
+    local = subprocess.run([sys.executable, "-m", "jobs.submit", "--local",
+                            "--train", "configs/train/tiny.yaml", "--set", "steps=20",
+                            "--set", "intervals.log_every=5", "--set", f"job_dir={tmp_path}"],
                            capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-2000:]
     assert "train step 20/20" in local.stdout and "ended: COMPLETED" in local.stdout

@@ -52,7 +52,8 @@ def test_sinfo_lists_every_node_idle_with_8_gpus_and_16_cpus(slurm_cluster: Test
 
 def test_two_nodes_times_eight_tasks(slurm_cluster: Testbed, tmp_path: Path) -> None:
     out = tmp_path / "tasks.out"
-    report = 'echo "$SLURM_PROCID $SLURM_LOCALID $SLURM_NODEID $(hostname) $SLURM_GPUS_ON_NODE $SLURM_JOB_NODELIST"'
+    report = ('echo "$SLURM_PROCID $SLURM_LOCALID $SLURM_NODEID $(hostname) '
+              '$SLURM_GPUS_ON_NODE $SLURM_JOB_NODELIST"')
     sbatch("--wait", "--nodes=2", "--ntasks-per-node=8", "--gres=gpu:8", f"--output={out}",
            "--wrap", f"srun bash -c '{report}'")
     rows = [line.split() for line in out.read_text().splitlines() if line.strip()]
@@ -97,7 +98,8 @@ def test_sacct_lists_finished_jobs_with_state_and_exit_code(slurm_cluster: Testb
 
 
 def test_cli_status_shows_the_daemons_and_nodes(slurm_cluster: Testbed) -> None:
-    out = sh(sys.executable, "-m", "tests.slurm_testbed", "status", "--dir", str(slurm_cluster.root), timeout_s=60)
+    out = sh(sys.executable, "-m", "tests.slurm_testbed", "status", "--dir", str(slurm_cluster.root),
+             timeout_s=60)
     assert "slurmctld: pid" in out and "slurmdbd: pid" in out
     assert all(f"slurmd-{n}: pid" in out for n in slurm_cluster.node_names)
     assert "tb1 tb* " in out and "gpu:8" in out

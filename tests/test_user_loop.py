@@ -5,25 +5,16 @@ followed to its end, and a sweep's dry run showing the job-array script."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import REPO, in_terminal
-
-
-def cli(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("TAEHV_JOB_DIR", None)
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
+from tests.helpers import cli, in_terminal
 
 
 def test_live_bar_summary_and_resubmitting_a_finished_run(tmp_path: Path) -> None:
-    argv = [sys.executable, "-m", "jobs.submit", "--local", "--train", "configs/train/tiny.yaml", "--name", "bar",
+    argv = [sys.executable, "-m", "jobs.submit", "--local", "--train", "configs/train/tiny.yaml",
+            "--name", "bar",
             "--set", "steps=24", "--set", "intervals.log_every=2", "--set", "intervals.val_every=12"]
     code, shown = in_terminal(argv, tmp_path)
     assert code == 0, shown[-3000:]
@@ -34,7 +25,8 @@ def test_live_bar_summary_and_resubmitting_a_finished_run(tmp_path: Path) -> Non
     assert "loss " in drawn and " dB" in drawn, drawn
     assert "train step 2/24" in shown  # rank 0's log lines scroll above the bar
     end = shown[shown.index("ended: COMPLETED"):]
-    assert re.search(r"final: train PSNR [\d.]+ dB \(loss [\d.e-]+\), validation PSNR [\d.]+ dB at step 24", end), end
+    assert re.search(r"final: train PSNR [\d.]+ dB \(loss [\d.e-]+\), "
+                     r"validation PSNR [\d.]+ dB at step 24", end), end
     assert re.search(r"steps: 24/24, \d+:\d\d wall, last [\d.]+ clips/s, requeued 0×", end), end
     run = tmp_path / "runs" / "bar"
     assert f"checkpoint:  {Path('runs/bar/checkpoints/step_00000024')}" in end
@@ -42,8 +34,8 @@ def test_live_bar_summary_and_resubmitting_a_finished_run(tmp_path: Path) -> Non
     assert "python -m jobs.export runs/bar --out bar.safetensors" in end
 
     registry = (tmp_path / "runs" / "registry.jsonl").read_text()
-    again = cli("jobs.submit", "--local", "--train", "configs/train/tiny.yaml", "--name", "bar", "--set", "steps=24",
-                cwd=tmp_path)
+    again = cli("jobs.submit", "--local", "--train", "configs/train/tiny.yaml", "--name", "bar",
+                "--set", "steps=24", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "bar (step 24 of 24) already trained every step; nothing submitted" in again.stdout
     assert "--set steps=48" in again.stdout
@@ -60,10 +52,12 @@ def test_local_sweep_follows_every_run_and_fails_if_one_does(tmp_path: Path) -> 
     assert len(table) == 3
     assert "COMPLETED" in table[1] and "4/4" in table[1] and "None" in table[1]
     assert "FAILED" in table[2] and "missing.pth" in table[2]
-    assert re.search(r"error: sw/init_from=missing\.pth \(job \d+\) ended FAILED: FileNotFoundError", done.stderr), done.stderr
+    assert re.search(r"error: sw/init_from=missing\.pth \(job \d+\) ended FAILED: FileNotFoundError",
+                     done.stderr), done.stderr
     # The CLI returned only once every run had ended.
     for job_id in re.findall(r"submitted job (\d+)", done.stdout):
-        state = json.loads(next((tmp_path / "runs" / "sw" / "submitit").glob(f"{job_id}_local.json")).read_text())
+        state = json.loads(next((tmp_path / "runs" / "sw" / "submitit").glob(f"{job_id}_local.json"))
+                           .read_text())
         assert state["state"] in ("COMPLETED", "FAILED")
 
 

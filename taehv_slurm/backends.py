@@ -1,0 +1,203 @@
+"""One object per kind of backend, for everything that depends on where a job runs.
+
+- `SlurmBackend`: sbatch, squeue/sacct, `scontrol requeue`.
+- `LocalBackend`: ranks as processes on this machine under our controller (taehv_slurm.runtime.controller),
+  which ends jobs in Slurm's states and restarts the ranks when one exits with its requeue code.
+- `PlatformBackend`: a container platform (Kubernetes Job, ...) that restarts the node's process itself.
+- `DirectBackend`: a task in this very process (submitit's debug executor, or a task called by hand).
+
+The submitting side asks a backend for a job's state, to cancel or requeue it, and whether Slurm can be
+used from here; the job's ranks ask the same object (it travels in the job's pickle, inside
+`RequeueableTask`) what happens after every rank saved at a signal, whether a crashed job can be
+requeued, and whether the job holding a run folder's lock still runs. No other module branches on a
+backend's name. Standard library only at import time: the ranks unpickle it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, ClassVar
+
+from taehv_slurm import slurm
+from taehv_slurm.runtime import controller
+from taehv_slurm.runtime.backend import Outcome, RankBackend
+
+SETTLE_TIMEOUT_CAP_S = 15.0  # one scontrol question may take at most this (an unreachable controller hangs)
+
+
+class JobControlError(RuntimeError):
+    """A command on a job (scontrol requeue) failed or cannot apply to this backend; the message is
+    one line."""
+
+
+class Backend(RankBackend):
+    """What the submitting side asks of a backend; the rank side is `RankBackend`'s. Defaults: a task
+    in this process (submitit's debug executor)."""
+
+    runs_here: ClassVar[bool] = True  # the job runs on this machine (config.MACHINE_BACKENDS)
+    has_accounting: ClassVar[bool] = False  # sacct knows the job
+    writes_sbatch_script: ClassVar[bool] = False
+    cancel_on_interrupt: ClassVar[bool] = False  # Ctrl-C while following stops the job (it saves first)
+
+    def unavailable_reason(self) -> str | None:
+        """Why jobs cannot be submitted from here, in one line (None: they can)."""
+        return None
+
+    def state(self, job_id: str, folder: Path, job: Any = None) -> str:
+        """The job's state in Slurm's words (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...)."""
+        return str(job.state).upper() if job is not None else "UNKNOWN"
+
+    def cancel(self, job_id: str, folder: Path, job: Any = None) -> None:
+        if job is not None:
+            job.cancel(check=False)
+
+    def requeue(self, job_id: str) -> None:
+        """Preempt the job as a scheduler would: it saves, requeues and resumes."""
+        raise JobControlError(f"job {job_id} runs on the {self.name} backend; requeue needs Slurm")
+
+    def job(self, folder: Path, job_id: str, tasks: list[int]) -> Any:
+        """A submitit job object for the results of a job submitted earlier."""
+        import submitit
+
+        return submitit.LocalJob(folder=folder, job_id=job_id, tasks=tasks)
+
+    def failure(self, job_id: str, folder: Path) -> dict[str, Any]:
+        """What the backend itself saw of a failure (the rank that failed first, its error); {} if nothing."""
+        return {}
+
+    def lock_holder_live(self, holder: dict[str, Any]) -> str | None:
+        return describe_live(holder)
+
+
+class DirectBackend(Backend):
+    """A task in this process: submitit's debug executor (cluster config `backend: debug`)."""
+
+
+class PlatformBackend(Backend):
+    """A container platform that starts one process per node and restarts it when it exits (taehv launch)."""
+
+    name = "platform"
+    runs_here = False
+
+
+class LocalBackend(Backend):
+    """Ranks as processes on this machine, under our controller (see taehv_slurm.runtime.controller)."""
+
+    name = "local"
+    cancel_on_interrupt = True
+    requeue_exit_code = controller.LOCAL_REQUEUE_EXIT_CODE
+    restarts_after_failure = True
+
+    def state(self, job_id: str, folder: Path, job: Any = None) -> str:
+        return controller.job_state(folder, job_id)["state"]
+
+    def cancel(self, job_id: str, folder: Path, job: Any = None) -> None:
+        controller.cancel(folder, job_id)
+
+    def failure(self, job_id: str, folder: Path) -> dict[str, Any]:
+        return controller.job_state(folder, job_id)
+
+    def settle(self, job_id: str, restart_count: int, reason: str, deadline: float) -> Outcome:
+        if self.state(job_id, Path(os.environ.get("SUBMITIT_FOLDER", ""))) == "CANCELLING":
+            return Outcome("cancelled", {"reason": "cancelled"})
+        return Outcome("requeue", {"reason": reason, "by": "local controller", "seconds_lost": 0.0})
+
+    def requeue_after_failure(self, job_id: str) -> Outcome:
+        # The controller restarts every rank when one exits with its requeue code.
+        return Outcome("requeue", {"by": "local controller"})
+
+    def describe_live(self, holder: dict[str, Any]) -> str | None:
+        if holder.get("host") != socket.gethostname():
+            return super().describe_live(holder)
+        job_id = str(holder.get("job_id", ""))
+        state = self.state(job_id, Path(holder.get("folder", "")))
+        return f"local job {job_id} ({state})" if state in (*controller.ACTIVE_STATES, "PENDING") else None
+
+
+class SlurmBackend(Backend):
+    """Jobs submitted with sbatch; every question goes through taehv_slurm.slurm."""
+
+    name = "slurm"
+    runs_here = False
+    has_accounting = True
+    writes_sbatch_script = True
+    restarts_after_failure = True
+
+    def unavailable_reason(self) -> str | None:
+        return slurm.no_slurm_reason(probe=True)
+
+    def state(self, job_id: str, folder: Path, job: Any = None) -> str:
+        return slurm.job_state(job_id) or "UNKNOWN"
+
+    def cancel(self, job_id: str, folder: Path, job: Any = None) -> None:
+        slurm.run(["scancel", job_id], timeout_s=60)
+
+    def requeue(self, job_id: str) -> None:
+        answer = slurm.requeue(job_id)
+        if not answer.ok:
+            raise JobControlError(f"scontrol requeue {job_id} failed: {answer.error}")
+
+    def job(self, folder: Path, job_id: str, tasks: list[int]) -> Any:
+        import submitit
+
+        return submitit.SlurmJob(folder=folder, job_id=job_id, tasks=tasks)
+
+    def cannot_requeue_reason(self, host: str) -> str | None:
+        return slurm.scontrol_missing(host)
+
+    def settle(self, job_id: str, restart_count: int, reason: str, deadline: float) -> Outcome:
+        """Slurm's commands get what is left of the signal's grace: an unreachable controller makes
+        scontrol wait for tens of seconds, and the watchdog must not end the rank first."""
+        import time
+
+        info = slurm.job_info(job_id,
+                              timeout_s=max(1.0, min(SETTLE_TIMEOUT_CAP_S, (deadline - time.time()) / 2)))
+        if isinstance(info, dict):
+            if int(info.get("Restarts") or 0) > restart_count:
+                return Outcome("requeue", {"reason": reason, "by": "slurm", "seconds_lost": 0.0})
+            if info.get("Reason") == "TimeLimit":
+                reason = "timeout"  # SIGTERM at the time limit: the warning never came (signal_delay_s)
+            elif info.get("JobState") in ("COMPLETING", "CANCELLED"):
+                return Outcome("cancelled", {"reason": "cancelled"})
+        answer = slurm.requeue(job_id, timeout_s=max(1.0, deadline - time.time()))
+        if answer.ok:
+            return Outcome("requeue", {"reason": reason, "by": "self", "seconds_lost": 0.0})
+        return Outcome("requeue_failed", {"reason": reason, "error": f"scontrol requeue: {answer.error}",
+                                          "fix": slurm.requeue_fix(answer.error)})
+
+    def requeue_after_failure(self, job_id: str) -> Outcome:
+        answer = slurm.requeue(job_id)
+        if answer.ok:
+            return Outcome("requeue", {"by": "self"})
+        return Outcome("requeue_failed", {"error": f"scontrol requeue: {answer.error}",
+                                          "fix": slurm.requeue_fix(answer.error)})
+
+    def describe_live(self, holder: dict[str, Any]) -> str | None:
+        job_id = str(holder.get("job_id", ""))
+        answer = slurm.run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout_s=30)
+        if answer.ok:
+            state = (answer.output.split() or [""])[0]
+            return f"job {job_id} ({state})" if state and not slurm.is_final(state) else None
+        if "invalid job id" in answer.error.lower():
+            return None  # Slurm no longer knows it: long over
+        return f"job {job_id} (its state cannot be learned: {answer.error})"
+
+
+BACKENDS: dict[str, type[Backend]] = {cls.name: cls for cls in (SlurmBackend, LocalBackend, PlatformBackend,
+                                                                DirectBackend)}
+
+
+def backend_named(name: str | None) -> Backend:
+    """The backend object for a config's or a record's `backend` name (unknown or missing: direct)."""
+    return BACKENDS.get(name or "", DirectBackend)()
+
+
+def describe_live(holder: dict[str, Any]) -> str | None:
+    """'job 123 (RUNNING)' while the job recorded in a run lock may still run, None once it certainly
+    ended."""
+    if not holder.get("job_id"):
+        return None
+    return backend_named(holder.get("backend")).describe_live(holder)
+

@@ -1,0 +1,105 @@
+"""What the CLIs share: default config paths, the shortcut flags, and one-line errors instead of tracebacks.
+
+Config paths such as `configs/train/tiny.yaml` work from any folder: the library falls back to the
+example configs installed with the package (taehv_slurm.config.shipped_config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from collections.abc import Callable
+
+from taehv_slurm.config import ClusterConfig, load_cluster
+
+DEFAULT_CLUSTER = "configs/cluster/h100_8gpu.yaml"
+LOCAL_CLUSTER = "configs/cluster/local.yaml"
+DEFAULT_TRAIN = "configs/train/taehv.yaml"
+DEFAULT_JOB_DIR = "runs"
+
+
+def default_job_dir() -> str:
+    return os.environ.get("TAEHV_JOB_DIR") or DEFAULT_JOB_DIR
+
+
+def add_job_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job-dir", default=default_job_dir(),
+                   help="the cluster config's job_dir (default $TAEHV_JOB_DIR or runs)")
+
+
+SHORTCUTS = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "partition": "--partition",
+             "time_min": "--time-min", "max_parallel": "--max-parallel"}
+
+
+def cluster_flag_overrides(args: argparse.Namespace, cluster_over: dict) -> dict:
+    """Fold the shortcut flags --nodes/--gpus-per-node/--partition/--time-min/--max-parallel (those a
+    CLI has) into cluster overrides."""
+    for key in SHORTCUTS:
+        if getattr(args, key, None) is not None:
+            cluster_over["array_parallelism" if key == "max_parallel" else key] = getattr(args, key)
+    gpus = getattr(args, "gpus_per_node", None)
+    if gpus is not None and "tasks_per_node" not in cluster_over:
+        cluster_over["tasks_per_node"] = gpus or 1  # one task per GPU
+    return cluster_over
+
+
+def flag_origins(args: argparse.Namespace) -> dict[str, str]:
+    """Config key → the flag that set it, as typed: errors in those values name the flag, not the YAML."""
+    origins = {item.partition("=")[0].strip(): f"--set {item}" for item in getattr(args, "set", None) or []}
+    for key, flag in SHORTCUTS.items():
+        if getattr(args, key, None) is not None:
+            origins["array_parallelism" if key == "max_parallel" else key] = f"{flag} {getattr(args, key)}"
+    if getattr(args, "gpus_per_node", None) is not None:
+        origins.setdefault("tasks_per_node", origins["gpus_per_node"])
+    if getattr(args, "local", False):
+        origins.setdefault("backend", "--local")
+    return origins
+
+
+def load_cluster_from_args(args: argparse.Namespace, cluster_over: dict) -> ClusterConfig:
+    """The cluster config a submitting CLI's flags pick: --cluster, else the local config with --local,
+    else the default; with the shortcut flags and --set applied. --cluster with --local runs that
+    cluster's settings on the local backend."""
+    cluster_flag_overrides(args, cluster_over)
+    if args.local and args.cluster:
+        cluster_over.setdefault("backend", "local")
+    return load_cluster(args.cluster or (LOCAL_CLUSTER if args.local else DEFAULT_CLUSTER),
+                        origins=flag_origins(args),
+                        **cluster_over)
+
+
+def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
+    """Print known user errors as `error: ...` and exit 2; everything else keeps its traceback."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        from taehv_slurm.config import ConfigError
+        from taehv_slurm.executor import SubmissionError
+        from taehv_slurm.picklecheck import UnpicklableTaskError
+        from taehv_slurm.registry import UnknownJobError
+        from taehv_slurm.runtime.checkpoint import CheckpointError
+        from taehv_slurm.runtime.distenv import DistributedSetupError
+        from taehv_slurm.security import UnsafePathError
+        from taehv_slurm.submission import RunBusyError
+
+        try:
+            return main(*args, **kwargs)
+        except (ConfigError, DistributedSetupError, SubmissionError, UnknownJobError, UnsafePathError,
+                CheckpointError, FileNotFoundError, UnpicklableTaskError, RunBusyError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        except OSError as err:  # a folder the CLI creates or writes (job_dir, run folders): read-only,
+            # no permission
+            if err.filename is None:
+                raise
+            print(f"error: {err.filename}: {err.strerror}; check that path and its permissions "
+                  "(run folders go under job_dir in the cluster config: --set job_dir=DIR on storage every "
+                  "node sees)", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+
+    return wrapper

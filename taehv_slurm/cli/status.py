@@ -1,0 +1,56 @@
+"""Status of submitted runs, or Slurm's accounting of them, as a table, CSV or JSON.
+
+    taehv status [JOB ... | --all] [--job-dir runs] [--format table|csv|json]
+    taehv status JOB --accounting [--format csv]     # sacct: one row per run attempt
+
+Without a job id: the last 20 runs of the job_dir's registry (every run with --all). The job_dir
+defaults to $TAEHV_JOB_DIR, else `runs`. --accounting shows each attempt (the first run and every
+requeue): state, exit code, elapsed, nodes, GPUs, max RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from taehv_slurm.cli.common import add_job_dir, one_line_errors
+from taehv_slurm.handle import JobHandle
+from taehv_slurm.messages import command
+from taehv_slurm.registry import read_registry
+from taehv_slurm.reports import render
+from taehv_slurm.runs import accounting_frame, status_frame
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=command("status"), description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("job_ids", nargs="*", metavar="JOB",
+                   help="job ids as jobs.submit prints them, or run names (default: the latest runs)")
+    p.add_argument("--all", action="store_true", help="every run in the registry (default: the last 20)")
+    p.add_argument("--accounting", action="store_true",
+                   help="Slurm's accounting (sacct) of the runs, one row per attempt")
+    p.add_argument("--format", choices=["table", "csv", "json"], default="table",
+                   help="output format (default table)")
+    add_job_dir(p)
+    args = p.parse_args(argv)
+    if args.job_ids and args.all:
+        p.error("give job ids or --all, not both")
+    ids = args.job_ids or list(dict.fromkeys(r["job_id"] for r in read_registry(args.job_dir)))
+    handles = [JobHandle.attach(i, args.job_dir) for i in (ids if args.job_ids or args.all else ids[-20:])]
+    if not handles:
+        print(f"no runs in {os.path.join(args.job_dir, 'registry.jsonl')} yet")
+        return 0
+    frame = accounting_frame(handles) if args.accounting else status_frame(handles)
+    if args.accounting and frame.empty and args.format == "table":
+        print("no accounting for these runs: local runs have none, and on Slurm it needs slurmdbd "
+              "(sacct: 'Slurm accounting storage is disabled' means the cluster keeps none)")
+        return 0
+    print(render(frame, args.format))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

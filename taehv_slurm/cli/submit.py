@@ -1,0 +1,157 @@
+"""Submit TAEHV training (or the smoke check) to Slurm, or run it here with --local.
+
+    taehv submit --nodes 8 --dry-run          # the sbatch script and the plan, nothing submitted
+    taehv submit --nodes 8                    # submit; prints the job id and how to follow it
+    taehv submit --local --train configs/train/tiny.yaml   # train on this machine, no cluster
+    taehv submit --task smoke --nodes 2       # every rank rendezvous + all-reduce, then report
+    taehv submit --sweep optim.lr=1e-4,2e-4   # a job array, one run per value
+
+Imports no torch: the ranks import the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from taehv_slurm.backends import backend_named
+from taehv_slurm.cli import watch
+from taehv_slurm.cli.common import (
+    DEFAULT_CLUSTER,
+    DEFAULT_TRAIN,
+    LOCAL_CLUSTER,
+    flag_origins,
+    load_cluster_from_args,
+    one_line_errors,
+)
+from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_train, split_overrides
+from taehv_slurm.executor import sbatch_preview
+from taehv_slurm.handle import JobHandle
+from taehv_slurm.messages import command
+from taehv_slurm.plan import ScalePlan, plan_for_cluster
+from taehv_slurm.runtime.smoke import SmokeTask
+from taehv_slurm.security import describe_secret_env
+from taehv_slurm.slurm import is_success
+from taehv_slurm.submission import check_job_dir, submit
+from taehv_slurm.sweep import point_name, sweep_grid, sweep_trains
+from taehv_slurm.training import RunCompleteError, submit_training
+from taehv_slurm.typed_yaml import parse_set_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=command("submit"), description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--cluster",
+                   help=f"cluster YAML (default {DEFAULT_CLUSTER}; {LOCAL_CLUSTER} with --local)")
+    p.add_argument("--train", default=DEFAULT_TRAIN, help=f"training YAML (default {DEFAULT_TRAIN})")
+    p.add_argument("--task", choices=["train", "smoke"], default="train", help="what to run (default train)")
+    p.add_argument("--nodes", type=int, help="number of nodes (each runs one task per GPU)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default from the cluster config)")
+    p.add_argument("--partition", help="Slurm partition")
+    p.add_argument("--time-min", type=int, help="time limit in minutes (the job requeues itself past it)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any cluster or train key, e.g. --set optim.lr=2e-4 "
+                        "--set env.NCCL_DEBUG=INFO")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="submit one run per value (a job array); several --sweep make a grid")
+    p.add_argument("--max-parallel", type=int, metavar="N",
+                   help="a sweep's runs at once on Slurm "
+                        "(default: array_parallelism in the cluster config, 4)")
+    p.add_argument("--name", help="run name; submitting the same name again resumes its checkpoints")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the job, the plan and the sbatch script; submit nothing")
+    p.add_argument("--local", action="store_true",
+                   help="run here with the local backend (no Slurm) and follow it")
+    p.add_argument("--follow", action="store_true", help="stream rank 0's log until the job ends")
+    p.add_argument("--force", action="store_true",
+                   help="the run name has a live job: cancel it (it saves at the signal), wait, then submit")
+    return p
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cluster_over, train_over = split_overrides(parse_set_args(args.set))
+    cluster = load_cluster_from_args(args, cluster_over)
+    train = load_train(args.train, origins=flag_origins(args), **train_over)
+    if args.sweep and args.task != "train":
+        raise ConfigError("--sweep applies to --task train")
+    trains, sweep = sweep_trains(train, sweep_grid(args.sweep)) if args.sweep else ([train], [])
+    # checks every point
+    plans = [plan_for_cluster(cluster, t) for t in trains] if args.task == "train" else []
+    run_name = args.name or (f"{train.name if args.task == 'train' else 'smoke'}-"
+                             f"{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.dry_run:
+        return dry_run(cluster, trains, sweep, plans, run_name)
+    if args.task == "smoke":
+        task = SmokeTask(backend=cluster.dist_backend, rendezvous_timeout_s=cluster.rendezvous_timeout_s)
+        handles = [submit(task, cluster, run_name, requeueable=False, record={"task_kind": "smoke"},
+                          force=args.force)]
+    else:
+        try:
+            handles = submit_training(cluster, trains, run_name, sweep, force=args.force, plans=plans)
+        except RunCompleteError as done:
+            print(done)
+            return 0
+    print_submitted(cluster, handles)
+    backend = backend_named(cluster.backend)
+    if not (args.local or args.follow or backend.runs_here):
+        return 0
+    if len(handles) > 1:
+        states, interrupted = watch.follow_all(handles, stop_on_interrupt=backend.cancel_on_interrupt)
+        return watch.report_all(handles, states, interrupted)
+    state, interrupted = watch.follow_to_the_end(handles[0], stop_on_interrupt=backend.cancel_on_interrupt)
+    watch.report_end(handles[0], state, interrupted)
+    if args.task == "smoke" and is_success(state):
+        for facts in sorted(handles[0].results(), key=lambda f: f["rank"]):
+            print(facts)
+    return 0 if is_success(state) else 130 if interrupted else 1
+
+
+def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict], plans: list[ScalePlan],
+            run_name: str) -> int:
+    """Print the job, the plan of every run and the sbatch script; submit nothing."""
+    check_job_dir(cluster.job_dir)
+    run_dir = Path(cluster.job_dir) / run_name
+    where = f"partition {cluster.partition}" if cluster.partition else "default partition"
+    print(f"job: {cluster.backend} backend, {where}, {cluster.nodes} node(s) × "
+          f"{cluster.tasks_per_node} tasks = "
+          f"world size {cluster.world_size}; gres {cluster.gres_request or 'none'}, {cluster.cpus_per_task} "
+          f"CPUs/task, time {cluster.time_min} min, device {cluster.task_device()}\nrun folder: {run_dir}")
+    if secret_line := describe_secret_env(cluster):  # names only: values are masked, never printed
+        print(secret_line)
+    for point, plan in zip(sweep or [{}], plans):
+        print(f"\nplan{' for ' + str(point) if point else ''}:\n{plan.table()}")
+    if sweep:
+        print(f"\n{len(sweep)} runs, one job array: "
+              + ", ".join(str(run_dir / point_name(p)) for p in sweep))
+    if backend_named(cluster.backend).writes_sbatch_script:
+        env = plans[0].nccl_env if plans else {}
+        script = sbatch_preview(cluster, run_dir / "submitit", env, run_dir, array_size=len(trains))
+        print(f"\nsbatch script ({run_dir}/submitit/):\n{script}")
+    return 0
+
+
+def print_submitted(cluster: ClusterConfig, handles: list[JobHandle]) -> None:
+    """What was submitted, where its logs are, and how to follow it."""
+    for handle in handles:
+        point = f" {point_name(handle.sweep)}" if handle.sweep else ""
+        print(f"submitted job {handle.job_id}{point}: {cluster.nodes} node(s) × "
+              f"{cluster.tasks_per_node} tasks, "
+              f"run folder {handle.run_dir}")
+    if len(handles) > 1:
+        ids = " ".join(h.job_id for h in handles)
+        array = " (one job array)" if backend_named(cluster.backend).writes_sbatch_script else ""
+        print(f"sweep of {len(handles)} runs{array}: {command('status')} {ids} --job-dir {cluster.job_dir}")
+    first = handles[0]
+    more = f" … {first.log_path(cluster.world_size - 1).name}" if cluster.world_size > 1 else ""
+    print(f"logs: {first.log_path(0)} (rank 0){more}")
+    print(f"follow: {command('logs')} {first.job_id} --follow --job-dir {cluster.job_dir}")
+    print(f"status: {command('status')} {first.job_id} --job-dir {cluster.job_dir}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Atomic checkpoints: a crash at any instant leaves `latest` loadable and never partial.
+
+Layout of a checkpoint folder:
+
+    checkpoints/
+      step_00001200/        one complete checkpoint (renamed into place only once fully written)
+        state.pt            tensors and plain values only: loads with torch.load(weights_only=True)
+        meta.json           step, time, config and plan it ran under
+      latest                text file naming the newest complete checkpoint (replaced atomically)
+
+A save writes `step_N.tmp-<random>/`, fsyncs each file and the folder, renames it to `step_N`,
+fsyncs the parent, then replaces `latest` the same way. Old checkpoints beyond `keep` are removed
+only after the new `latest` is durable. The state is engine-independent (full tensors by parameter
+name), so a run resumes at any world size and with any engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from taehv_slurm.messages import first_line
+from taehv_slurm.runtime.runfiles import fsync_dir, write_text_atomic
+from taehv_slurm.security import check_safe_to_load, make_private_dir
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says what was kept and what to do."""
+
+    def __init__(self, message: str, cause: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause or message
+
+
+class Checkpointer:
+    """Save and load checkpoints under `directory`, keeping the last `keep` of them.
+
+    `save(..., blocking=False)` returns as soon as the state is handed to a writer thread; the state
+    must already be off the GPU and not change afterwards (the trainer hands over fresh CPU copies). A
+    later save, `wait()` or `close()` waits for it.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 3, group: str | None = None,
+                 trust_root: str | os.PathLike | None = None) -> None:
+        if keep < 1:
+            raise ValueError("keep must be ≥ 1")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.group = group
+        self.trust_root = Path(trust_root) if trust_root else self.directory
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_save_seconds: float | None = None
+        # damaged checkpoints the last load_latest() moved aside, one line each
+        self.moved_aside: list[str] = []
+
+    # ------------------------------------------------------------------------------------ saving
+    def save(self, state: Mapping[str, Any], step: int, meta: Mapping[str, Any] | None = None,
+             blocking: bool = True) -> Path:
+        self.wait()
+        final = self.directory / f"step_{step:08d}"
+        if blocking:
+            self._write(state, step, dict(meta or {}))
+        else:
+            self._thread = threading.Thread(target=self._write_in_thread,
+                                            args=(state, step, dict(meta or {})),
+                                            name=f"checkpoint-step-{step}", daemon=False)
+            self._thread.start()
+        return final
+
+    def wait(self) -> None:
+        """Block until a pending asynchronous save is durable; re-raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    close = wait
+
+    def _write_in_thread(self, state: Mapping[str, Any], step: int, meta: dict[str, Any]) -> None:
+        try:
+            self._write(state, step, meta)
+        except BaseException as err:  # surfaced by wait() in the training thread
+            self._error = err
+
+    def _write(self, state: Mapping[str, Any], step: int, meta: dict[str, Any]) -> None:
+        import torch
+
+        start = time.monotonic()
+        final = self.directory / f"step_{step:08d}"
+        tmp = self.directory / f"step_{step:08d}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            # inside: a read-only folder is a CheckpointError too
+            make_private_dir(self.directory, self.group)
+            make_private_dir(tmp, self.group)
+            with open(tmp / "state.pt", "wb") as f:
+                torch.save(dict(state), f)
+                f.flush()
+                os.fsync(f.fileno())
+            meta = {"format": 1, "step": step, "saved_at": time.time(), **meta}
+            with open(tmp / "meta.json", "w") as f:
+                json.dump(meta, f, indent=1, default=str)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(tmp)
+            if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            fsync_dir(self.directory)
+            self._point_latest(final.name)
+        except (OSError, RuntimeError) as err:  # torch's zip writer wraps ENOSPC in a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            previous = self.latest_step()
+            kept = (f"the previous checkpoint (step {previous}) is intact" if previous is not None
+                    else "no earlier checkpoint exists")
+            raise CheckpointError(
+                f"saving checkpoint step {step} to {self.directory} failed ({_os_cause(err)}); {kept}; "
+                "free space or fix permissions there, the run can resume from it"
+            ) from None
+        self._prune()
+        self.last_save_seconds = time.monotonic() - start
+
+    def _point_latest(self, name: str) -> None:
+        write_text_atomic(self.directory / "latest", name + "\n", 0o600 if not self.group else 0o640)
+
+    def _prune(self) -> None:
+        steps = self.steps()
+        latest = self.latest_step()
+        for step in steps[: max(0, len(steps) - self.keep)]:
+            if step != latest:
+                shutil.rmtree(self.directory / f"step_{step:08d}", ignore_errors=True)
+        for stale in self.directory.glob("step_*.tmp-*"):
+            if stale.is_dir() and time.time() - stale.stat().st_mtime > 3600:  # left by a killed writer
+                shutil.rmtree(stale, ignore_errors=True)
+
+    # ----------------------------------------------------------------------------------- loading
+    def steps(self) -> list[int]:
+        """Steps of complete checkpoints, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = (_STEP_DIR.match(p.name) for p in self.directory.iterdir())
+        return sorted(int(m.group(1)) for m in found
+                      if m and (self.directory / m.group(0) / "meta.json").is_file())
+
+    def latest_step(self) -> int | None:
+        pointer = self.directory / "latest"
+        try:
+            m = _STEP_DIR.match(pointer.read_text().strip())
+        except (FileNotFoundError, NotADirectoryError):
+            m = None
+        if m and (self.directory / m.group(0) / "meta.json").is_file():
+            return int(m.group(1))
+        steps = self.steps()  # pointer missing or stale: the newest complete folder is the truth
+        return steps[-1] if steps else None
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any] | None:
+        step = self.latest_step() if step is None else step
+        if step is None:
+            return None
+        return json.loads((self.directory / f"step_{step:08d}" / "meta.json").read_text())
+
+    def load_latest(self) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+        """(step, state, meta) of the newest checkpoint that loads, or None when there is none.
+
+        A newest checkpoint that cannot be read (cut short, overwritten) is moved aside to
+        `step_N.damaged-<time>` — never deleted — and `latest` is pointed at the next older one, which is
+        loaded instead: a requeued job resumes by itself. Each move is one line in `self.moved_aside`
+        for the caller to log. A checkpoint refused for safety (another user's file) is not skipped.
+        """
+        self.moved_aside = []
+        while (step := self.latest_step()) is not None:
+            try:
+                return self.load(step)
+            except CheckpointError as err:
+                self._move_aside(step, err)
+        return None
+
+    def _move_aside(self, step: int, err: CheckpointError) -> None:
+        folder = self.directory / f"step_{step:08d}"
+        target = folder.with_name(f"{folder.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        with contextlib.suppress(FileNotFoundError):  # another rank moved it a moment ago
+            os.rename(folder, target)
+        steps = self.steps()
+        if steps:
+            self._point_latest(f"step_{steps[-1]:08d}")
+        else:
+            (self.directory / "latest").unlink(missing_ok=True)
+        kept = f"resuming from step {steps[-1]}" if steps else "no older checkpoint: starting from step 0"
+        self.moved_aside.append(f"checkpoint step {step} is damaged ({err.cause}); moved it to {target.name} "
+                                f"(kept for inspection) and {kept}")
+
+    def load(self, step: int) -> tuple[int, dict[str, Any], dict[str, Any]]:
+        import torch
+
+        folder = self.directory / f"step_{step:08d}"
+        for name in ("state.pt", "meta.json"):
+            check_safe_to_load(folder / name, self.trust_root)
+        try:
+            meta = json.loads((folder / "meta.json").read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(f"cannot load checkpoint {folder}: meta.json is damaged; "
+                                  "delete that folder to "
+                                  "resume from an older one", cause="meta.json is damaged") from None
+        try:
+            state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
+        except Exception as err:
+            # our own words: torch's advice (weights_only=False) would run the file's code
+            cause = _load_failure(err)
+            raise CheckpointError(f"cannot load checkpoint {folder}: {cause}; "
+                                  "delete that folder to resume from an "
+                                  "older one (it was not loaded)", cause=cause) from None
+        return step, state, meta
+
+
+def _load_failure(err: BaseException) -> str:
+    """Why torch.load(weights_only=True) failed, in one line and never suggesting weights_only=False."""
+    text = str(err)
+    found = re.search(r"GLOBAL (\S+)", text)
+    if found:  # a pickled Python object: rebuilding it could execute code, so it is refused
+        return (f"state.pt holds a Python object ({found.group(1)}), not only tensors and plain values, "
+                "and such objects are never unpickled (they could run code)")
+    first = first_line(err).split(". ")[0]
+    return ("state.pt is damaged or not a torch checkpoint: cut short, overwritten, or not written by this "
+            f"library ({first})")
+
+
+def _os_cause(err: BaseException) -> str:
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror
+        cause = cause.__cause__ or cause.__context__
+    return first_line(err)

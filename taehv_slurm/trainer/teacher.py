@@ -1,0 +1,79 @@
+"""The teacher: a frozen diffusers video VAE whose latents the student learns to produce.
+
+Frames ↔ latents, made explicit (and tested):
+- A training window has T = 4L frames. TAEHV encodes all 4L frames into L latents (latent j has seen
+  frames up to 4j+3) and decodes L latents into 4L−3 frames that correspond to input frames 0..4L−4.
+- HunyuanVideo's causal VAE maps 1 + 4k frames to 1 + k latents (the first frame alone). Given the
+  first 4L−3 frames of the window it also gives L latents (latent j has seen frames up to 4j).
+- So the teacher sees exactly the frames the student's decoder must reproduce: frames[:4L−3].
+CogVideoX's and Wan's VAEs follow the same 1 + 4k layout.
+
+Teacher latents are the latents the diffusion model sees: `latent_dist.mode()` × the VAE's
+scaling_factor (0.476986 for HunyuanVideo), in TAEHV's N×L×C×h×w layout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from taehv_slurm.messages import first_line
+from taehv_slurm.trainer.shapes import teacher_frame_count
+
+
+def to_unit(frames: torch.Tensor) -> torch.Tensor:
+    """uint8 N×T×3×H×W → float in [0, 1] (on the frames' device)."""
+    return frames.float().div_(255.0) if frames.dtype == torch.uint8 else frames.float()
+
+
+class Teacher:
+    """A frozen diffusers video VAE that turns clips into TAEHV-layout target latents."""
+
+    def __init__(self, vae: nn.Module, scaling_factor: float | None = None) -> None:
+        self.vae = vae.eval().requires_grad_(False)
+        self.scaling_factor = float(scaling_factor if scaling_factor is not None
+                                    else vae.config.scaling_factor)
+        if hasattr(self.vae, "disable_tiling"):
+            self.vae.disable_tiling()  # one pass per clip: targets must not depend on tile seams
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Teacher:
+        self.vae.to(device=device)
+        if next(self.vae.parameters()).dtype != dtype:  # diffusers warns on any dtype argument
+            self.vae.to(dtype=dtype)
+        return self
+
+    @torch.no_grad()
+    def latents(self, frames: torch.Tensor) -> torch.Tensor:
+        """frames: N×4L×3×H×W in [0, 1] (or uint8) → N×L×C×H/8×W/8 scaled latents."""
+        x = to_unit(frames)[:, : teacher_frame_count(frames.shape[1])]
+        param = next(self.vae.parameters())
+        # N×C×T×H×W in [-1, 1]
+        x = x.to(device=param.device, dtype=param.dtype).mul(2).sub(1).permute(0, 2, 1, 3, 4)
+        z = self.vae.encode(x).latent_dist.mode() * self.scaling_factor
+        return z.permute(0, 2, 1, 3, 4).float().contiguous()
+
+
+def load_teacher(kind: str, path: str, scaling_factor: float | None = None, seed: int = 0) -> Teacher:
+    """A teacher from a local diffusers folder (no hub download), or `random:tiny` for tests and demos."""
+    import diffusers
+
+    classes = {"hunyuanvideo": "AutoencoderKLHunyuanVideo", "cogvideox": "AutoencoderKLCogVideoX",
+               "wan": "AutoencoderKLWan"}
+    if kind not in classes:
+        raise ValueError(f"teacher.kind {kind!r} is not one of {', '.join(classes)}")
+    cls = getattr(diffusers, classes[kind])
+    if path.startswith("random:"):
+        if kind != "hunyuanvideo" or path != "random:tiny":
+            raise ValueError(f"teacher.path {path!r}: only 'random:tiny' with kind hunyuanvideo is built in")
+        with torch.random.fork_rng(devices=[]):  # every rank builds the same weights; global RNG untouched
+            torch.manual_seed(seed)
+            vae = cls(block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
+                      latent_channels=16)
+        return Teacher(vae, scaling_factor)
+    try:
+        vae = cls.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(f"teacher.path {path}: cannot load a {classes[kind]} from it "
+                                f"({first_line(err)}); "
+                                "point it at a local diffusers VAE folder (config.json + weights)") from None
+    return Teacher(vae, scaling_factor)

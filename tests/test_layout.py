@@ -1,0 +1,124 @@
+"""The code is arranged by where it runs, and stays readable: checked on the source, as a reviewer would.
+
+- the driver (taehv_slurm/*.py) never imports the trainer or the CLI;
+- the rank-side runtime imports only itself and the small shared modules (never the driver's backends,
+  which are handed to it; runtime/legacy.py, the one-release pickle alias, is the named exception);
+- the trainer imports the runtime and the shared modules, never the driver or the CLI;
+- a CLI command never imports another command; jobs/ only runs them;
+- no module over 500 lines, no function over 60, and the submit path imports no torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from taehv_slurm.cli import COMMANDS
+from tests.helpers import REPO
+
+PACKAGE = REPO / "taehv_slurm"
+SHARED = {"taehv_slurm.config", "taehv_slurm.plan", "taehv_slurm.messages", "taehv_slurm.security",
+          "taehv_slurm.submitit_api"}
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 60
+
+
+def modules(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob("*.py"))
+
+
+def our_imports(path: Path) -> set[str]:
+    """Every taehv_slurm (or jobs/tests) module `path` imports, at any depth of the file."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            found.update(n for n in names if n.split(".")[0] in ("taehv_slurm", "jobs", "tests"))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names
+                         if a.name.split(".")[0] in ("taehv_slurm", "jobs", "tests"))
+    return found
+
+
+def layer_of(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) > 1 and parts[1] in ("runtime", "trainer", "cli", "configs"):
+        return parts[1]
+    return "shared" if ".".join(parts[:2]) in SHARED else "driver"
+
+
+def is_module(name: str) -> bool:
+    """`from taehv_slurm.runtime import signals` names a module; `from x import SomeClass` does not."""
+    path = REPO.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_modules(path: Path) -> set[str]:
+    return {n for n in our_imports(path) if is_module(n) and n != "taehv_slurm"}
+
+
+@pytest.mark.parametrize("path", modules(PACKAGE), ids=lambda p: p.name)
+def test_the_driver_never_imports_the_trainer_or_the_cli(path: Path) -> None:
+    if path.name == "__main__.py":  # `python -m taehv_slurm` is the CLI's own entry
+        return
+    bad = {n for n in imported_modules(path) if layer_of(n) in ("trainer", "cli")}
+    assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", modules(PACKAGE / "runtime"), ids=lambda p: p.name)
+def test_the_runtime_imports_itself_and_the_shared_modules_only(path: Path) -> None:
+    allowed = {"runtime", "shared"} | ({"driver"} if path.name == "legacy.py" else set())
+    bad = {n for n in imported_modules(path) if layer_of(n) not in allowed}
+    assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", modules(PACKAGE / "trainer"), ids=lambda p: p.name)
+def test_the_trainer_imports_the_runtime_and_shared_modules_only(path: Path) -> None:
+    bad = {n for n in imported_modules(path) if layer_of(n) not in ("trainer", "runtime", "shared")}
+    assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+def test_a_command_never_imports_another_command() -> None:
+    for name in COMMANDS:
+        path = PACKAGE / "cli" / f"{name}.py"
+        others = {f"taehv_slurm.cli.{other}" for other in COMMANDS if other != name}
+        assert not imported_modules(path) & others, f"{path.relative_to(REPO)} imports another command"
+    for path in modules(REPO / "jobs"):
+        assert imported_modules(path) <= {"taehv_slurm.cli"}, (f"{path.relative_to(REPO)} "
+                                                               "does more than run a command")
+
+
+def python_files() -> list[Path]:
+    return sorted(p for folder in ("taehv_slurm", "jobs", "tests", "bench")
+                  for p in (REPO / folder).rglob("*.py"))
+
+
+def test_no_module_over_500_lines_and_no_function_over_60() -> None:
+    too_long = []
+    for path in python_files():
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{path.relative_to(REPO)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: {length} lines")
+    assert not too_long, "\n".join(too_long)
+
+
+def test_the_submit_path_imports_no_torch() -> None:
+    probe = ("import sys, taehv_slurm.cli.submit, taehv_slurm.cli.status, taehv_slurm.training, "
+             "taehv_slurm.backends, taehv_slurm.handle; print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+def test_ruff_is_clean_at_the_configured_line_length() -> None:
+    done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]

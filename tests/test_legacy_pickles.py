@@ -1,0 +1,53 @@
+"""A job queued by the previous release (0.1) still runs after an upgrade: its pickle names the old
+modules (`trainer.train.TrainTask`, `taehv_slurm.requeue.RequeueableTask`, no backend object), and the
+entry point resolves them (taehv_slurm/runtime/legacy.py) — even beside a user's own `trainer.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from taehv_slurm.runtime.runfiles import EventLog
+from taehv_slurm.security import make_private_dir
+from tests.helpers import LOCAL_TASK_ENV, REPO, tiny_train
+
+# Written the way 0.1 wrote it: the classes pickled by reference under their 0.1 module names.
+PICKLE_AS_0_1 = """
+import json, sys, types
+from submitit.helpers import DelayedSubmission
+import taehv_slurm.runtime.requeue as requeue
+import taehv_slurm.trainer.task as task
+sys.modules["trainer"] = types.ModuleType("trainer")
+sys.modules["trainer.train"] = task
+sys.modules["taehv_slurm.requeue"] = requeue
+task.TrainTask.__module__ = "trainer.train"
+requeue.RequeueableTask.__module__ = "taehv_slurm.requeue"
+train, run_dir, pickle = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+wrapped = requeue.RequeueableTask(task.TrainTask(train, {"device": "cpu", "torch_threads": 1}), run_dir)
+del wrapped.backend  # 0.1 read the backend from SUBMITIT_EXECUTOR when the job ran
+DelayedSubmission(wrapped).dump(pickle)
+"""
+
+
+def test_a_job_pickled_by_0_1_runs_after_the_upgrade(tmp_path: Path) -> None:
+    run_dir = make_private_dir(tmp_path / "run")
+    folder = make_private_dir(run_dir / "submitit")
+    pickle = folder / "4242_submitted.pkl"
+    train = tiny_train(steps=2, **{"intervals.log_every": 1, "intervals.val_every": 2}).to_dict()
+    subprocess.run([sys.executable, "-c", PICKLE_AS_0_1, json.dumps(train), str(run_dir), str(pickle)],
+                   check=True, cwd=REPO, timeout=120)
+    data = pickle.read_bytes()
+    assert (b"trainer.train" in data and b"taehv_slurm.requeue" in data
+            and b"taehv_slurm.trainer.task" not in data)
+
+    (tmp_path / "trainer.py").write_text("raise RuntimeError('the user trainer.py was imported')\n")
+    env = {**os.environ, **LOCAL_TASK_ENV, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "taehv_slurm.runtime.entry", str(folder), str(run_dir)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kinds = [e["event"] for e in EventLog(run_dir / "events.jsonl").read()]
+    assert kinds == ["start", "finished"]
+    assert (run_dir / "checkpoints" / "step_00000002" / "state.pt").is_file()
