@@ -133,16 +133,16 @@ def steady(rows: list[dict[str, Any]], warmup_steps: int, effective: int) -> dic
 
 def isolated_step(train_cfg: dict[str, Any], with_latents: bool, device: torch.device, steps: int) -> float:
     """Clips/s of the trainer's own engine on micro-batches already on the device (no loader)."""
+    from taehv_slurm.trainer.build import configure_backends
     from taehv_slurm.trainer.engine import Microbatch, make_engine
     from taehv_slurm.trainer.losses import DistillModule
     from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training
-    from taehv_slurm.trainer.train import _model_fields, configure_backends
 
     cfg = load_train(train_cfg)
     plan = plan_for(1, 1 if device.type == "cuda" else 0, cfg, device=device.type)
     configure_backends(device)
     torch.manual_seed(0)
-    student = TAEHV(TAEHVConfig.from_dict(_model_fields(cfg)))
+    student = TAEHV(TAEHVConfig.from_dict(cfg.model_fields()))
     init_for_training(student)
     student.to(device)
     on_gpu = device.type == "cuda"
@@ -187,7 +187,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="training steps per source")
     p.add_argument("--warmup-steps", type=int, default=6, help="steps left out of the end-to-end figure")
     p.add_argument("--cpus", type=int, default=12, help="cpus_per_task of the 1-GPU cluster config")
-    p.add_argument("--isolated-steps", type=int, default=5)
+    p.add_argument("--isolated-steps", type=int, default=5, help="0: skip the isolated step")
     p.add_argument("--timeout", type=float, default=900, help="seconds per CLI run")
     p.add_argument("--smoke", action="store_true", help="CPU, 8×64×64 clips, a tiny teacher, 3 steps")
     p.add_argument("--out", default=None)
@@ -231,13 +231,38 @@ def measure_source(source: str, args: argparse.Namespace, work: Path, prepared: 
     row: dict[str, Any] = {"source": source, "exit": out.returncode, "grad_accum": plan.grad_accum,
                            "per_gpu_batch": plan.per_gpu_batch, "loader_workers": plan.num_workers,
                            "plan_notes": plan.notes, **steady(lines, args.warmup_steps, plan.effective_batch)}
+    row.update(start_figures(work / "runs" / name, lines))
     if on_gpu:
         torch.cuda.empty_cache()
-    row["isolated_clips_per_s"] = isolated_step(train_cfg.to_dict(), source == "prepared", device,
-                                                args.isolated_steps)
-    if "clips_per_s" in row:
-        row["ratio"] = row["clips_per_s"] / row["isolated_clips_per_s"]
+    if args.isolated_steps:
+        row["isolated_clips_per_s"] = isolated_step(train_cfg.to_dict(), source == "prepared", device,
+                                                    args.isolated_steps)
+        if "clips_per_s" in row:
+            row["ratio"] = row["clips_per_s"] / row["isolated_clips_per_s"]
     return row
+
+
+def start_figures(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """Job start (the rank's process) to the first training step, whether the compile cache already held
+    this model's graphs, and the last logged MFU."""
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    first = [e for e in events if e["event"] == "first_step"]
+    mfus = [r["mfu"] for r in metrics if r.get("mfu") is not None]
+    return {"first_step_s": first[0]["seconds"] if first else None, "mfu": mfus[-1] if mfus else None}
+
+
+def prepare_figures(job_dir: Path) -> dict[str, Any]:
+    """The newest `jobs.prepare` run under `job_dir`: start to its first shard, and clips/s after it."""
+    runs = sorted(job_dir.glob("prepare-*/events.jsonl"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        return {}
+    events = [json.loads(line) for line in runs[-1].read_text().splitlines()]
+    start = next(e for e in events if e["event"] == "start")
+    shards = [e for e in events if e["event"] == "shard"]
+    later = shards[1:]
+    rate = round(sum(e["windows"] for e in later) / sum(e["seconds"] for e in later), 2) if later else None
+    return {"prepare_first_shard_s": round(shards[0]["time"] - start["began"], 1) if shards else None,
+            "prepare_clips_per_s_after_first": rate, "prepare_shards": len(shards)}
 
 
 def print_table(info: dict[str, Any], cpus: int, rows: list[dict[str, Any]]) -> None:
@@ -250,9 +275,11 @@ def print_table(info: dict[str, Any], cpus: int, rows: list[dict[str, Any]]) -> 
         if "clips_per_s" not in r:
             print(f"{r['source']:>9}  failed (exit {r['exit']})")
             continue
+        isolated = (f"{r['isolated_clips_per_s']:>8.1f} {100 * r['ratio']:>5.0f}%" if "ratio" in r
+                    else " " * 15)
         print(f"{r['source']:>9} {r['grad_accum']:>5} {r['loader_workers']:>7} {r['clips_per_s']:>11.1f} "
-              f"{r['isolated_clips_per_s']:>8.1f} {100 * r['ratio']:>5.0f}% {100 * r['data_wait']:>8.0f}% "
-              f"{r['peak_gib']:>8.1f}")
+              f"{isolated} {100 * r['data_wait']:>8.0f}% {r['peak_gib']:>8.1f}  "
+              f"first step {r['first_step_s']} s")
 
 
 def main() -> None:
@@ -268,6 +295,8 @@ def main() -> None:
     cluster = local_cluster(work, on_gpu, args.cpus)
     spec = ClipSpec(frames, height, width)
     prepared = prepare_data(work, spec, args.videos, args.video_frames, cluster, args.smoke, args.timeout)
+    info.update(prepare_figures(work / "runs"))
+    print(json.dumps({k: v for k, v in info.items() if k.startswith("prepare")}), flush=True)
     rows = []
     for source in args.sources.split(","):
         row = measure_source(source, args, work, prepared, cluster, spec, device)

@@ -89,12 +89,14 @@ def bench_teacher(teacher: Teacher, device: torch.device, args: argparse.Namespa
     rows = []
     encoder = teacher.vae.encoder
     for mode in args.modes.split(","):
-        if mode == "compile":
-            teacher.vae.encoder = torch.compile(encoder, dynamic=False)  # a fresh compile per batch shape
-        elif mode == "eager":
-            teacher.vae.encoder = encoder
-        else:
-            sys.exit(f"error: --modes takes eager and/or compile, got {mode!r}")
+        if mode not in ("eager", "compile", "eager_cl", "compile_cl"):
+            sys.exit(f"error: --modes takes eager, compile, eager_cl, compile_cl; got {mode!r}")
+        # _cl: weights and inputs channels-last (NDHWC)
+        teacher.to(device, teacher_dtype(teacher), channels_last=mode.endswith("_cl"))
+        if not mode.endswith("_cl"):
+            teacher.vae.to(memory_format=torch.contiguous_format)
+        teacher.vae.encoder = (torch.compile(encoder, dynamic=False) if mode.startswith("compile")
+                               else encoder)  # a fresh compile per batch shape
         for batch in map(int, args.batches.split(",")):
             row: dict[str, Any] = {"section": "teacher", "mode": mode, "batch": batch,
                                    "dtype": str(teacher_dtype(teacher)),
@@ -123,6 +125,26 @@ def bench_teacher(teacher: Teacher, device: torch.device, args: argparse.Namespa
             print(json.dumps(row), flush=True)
     teacher.vae.encoder = encoder
     return rows
+
+
+def profile_teacher(teacher: Teacher, device: torch.device, args: argparse.Namespace) -> list[str]:
+    """Where one teacher call's GPU time goes: the 15 most expensive ops (torch.profiler), as text rows."""
+    mode, batch = args.profile.split(":")
+    teacher.to(device, teacher_dtype(teacher), channels_last=mode.endswith("_cl"))
+    encoder = teacher.vae.encoder
+    if mode.startswith("compile"):
+        teacher.vae.encoder = torch.compile(encoder, dynamic=False)
+    frames = torch.randint(0, 256, (int(batch), args.window_frames, 3, args.height, args.width),
+                           dtype=torch.uint8, device=device)
+    for _ in range(2):
+        teacher.latents(frames)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        teacher.latents(frames)
+        torch.cuda.synchronize(device)
+    teacher.vae.encoder = encoder
+    text = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+    print(text, flush=True)
+    return text.splitlines()
 
 
 def teacher_dtype(teacher: Teacher) -> torch.dtype:
@@ -233,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=720)
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per setting (the first compiles)")
     p.add_argument("--iters", type=int, default=10, help="timed calls per setting")
+    p.add_argument("--profile", metavar="MODE:BATCH",
+                   help="also profile one teacher setting: its 15 most expensive CUDA ops go in the results")
     p.add_argument("--skip", default="", help="sections to skip: teacher, decode, read (comma-separated)")
     p.add_argument("--out",
                    help="JSON file for the results (default bench/results/prepare_throughput_<device>.json)")
@@ -274,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             info["teacher_parameters"] = sum(p.numel() for p in vae.parameters())
             info["scaling_factor"] = teacher.scaling_factor
         rows += bench_teacher(teacher, device, args)
+        if args.profile:
+            info["profile"] = profile_teacher(teacher, device, args)
         del teacher
     with tempfile.TemporaryDirectory(prefix="prepare-bench-") as tmp:
         for section, run in (("decode", bench_decode), ("read", bench_read)):

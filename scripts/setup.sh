@@ -15,6 +15,6 @@ $PY -m pip install --upgrade pip setuptools wheel
 $PY -m pip install torch==2.13.0
 # deepspeed ships as an sdist: build it against the torch above, not in an isolated env (that pulls CUDA torch).
 DS_BUILD_OPS=0 $PY -m pip install --no-build-isolation 'deepspeed>=0.19,<0.20'
-$PY -m pip install --no-build-isolation -e '.[dev,deepspeed]'
+$PY -m pip install --no-build-isolation -e '.[dev,deepspeed,trackers]'
 $PY -m ipykernel install --sys-prefix --name python3 >/dev/null
 echo "setup done: run the tests with  $PY -m pytest -q"

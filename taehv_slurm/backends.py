@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -104,8 +105,8 @@ class LocalBackend(Backend):
             return Outcome("cancelled", {"reason": "cancelled"})
         return Outcome("requeue", {"reason": reason, "by": "local controller", "seconds_lost": 0.0})
 
-    def requeue_after_failure(self, job_id: str) -> Outcome:
-        # The controller restarts every rank when one exits with its requeue code.
+    def requeue_after_failure(self, job_id: str, exclude: Sequence[str] = ()) -> Outcome:
+        # The controller restarts every rank when one exits with its requeue code (one machine: no exclusion).
         return Outcome("requeue", {"by": "local controller"})
 
     def describe_live(self, holder: dict[str, Any]) -> str | None:
@@ -167,12 +168,47 @@ class SlurmBackend(Backend):
         return Outcome("requeue_failed", {"reason": reason, "error": f"scontrol requeue: {answer.error}",
                                           "fix": slurm.requeue_fix(answer.error)})
 
-    def requeue_after_failure(self, job_id: str) -> Outcome:
+    def requeue_after_failure(self, job_id: str, exclude: Sequence[str] = ()) -> Outcome:
+        if exclude:
+            return self._requeue_excluding(job_id, exclude)
         answer = slurm.requeue(job_id)
         if answer.ok:
             return Outcome("requeue", {"by": "self"})
         return Outcome("requeue_failed", {"error": f"scontrol requeue: {answer.error}",
                                           "fix": slurm.requeue_fix(answer.error)})
+
+    def _requeue_excluding(self, job_id: str, nodes: Sequence[str]) -> Outcome:
+        """Requeue the job so that its next attempt runs elsewhere: held while its ExcNodeList grows by
+        `nodes` (Slurm only lets a pending job's list change), then released; the list is read back. Never
+        so many that the partition could no longer hold the job (then only the first ones)."""
+        info = slurm.job_info(job_id)
+        if not isinstance(info, dict):
+            return Outcome("requeue_failed", {"error": f"scontrol show job: {info.error}",
+                                              "fix": slurm.requeue_fix(info.error)})
+        before = slurm.expand_hosts(info.get("ExcNodeList"))
+        room = slurm.partition_size(info.get("Partition", "")) - int(info.get("NumNodes") or 1) - len(before)
+        wanted = [n for n in dict.fromkeys(nodes) if n not in before][: max(0, room)]
+        answer = slurm.run([slurm.scontrol() or "scontrol", "requeuehold", job_id], timeout_s=60)
+        if not answer.ok:
+            return Outcome("requeue_failed", {"error": f"scontrol requeuehold: {answer.error}",
+                                              "fix": slurm.requeue_fix(answer.error)})
+        # From here Slurm is ending this job's processes (SIGTERM), this one's children included: the
+        # commands that finish the exclusion ignore it.
+        update = (slurm.update_job(job_id, survive_term=True, ExcNodeList=",".join(before + wanted))
+                  if wanted else None)
+        released = slurm.run([slurm.scontrol() or "scontrol", "release", job_id], timeout_s=60,
+                             survive_term=True)
+        after = slurm.job_info(job_id, survive_term=True)
+        excluded = slurm.expand_hosts(after.get("ExcNodeList")) if isinstance(after, dict) else []
+        fields: dict[str, Any] = {"by": "self", "excluded": excluded, "excluded_now": [n for n in wanted
+                                                                                      if n in excluded]}
+        if update is not None and not update.ok:
+            fields["exclusion_error"] = update.error
+        if len(wanted) < len(set(nodes) - set(before)):
+            fields["exclusion_capped"] = "the partition must still hold the job"
+        if not released.ok:
+            fields["release_error"] = f"scontrol release {job_id}: {released.error}; release it by hand"
+        return Outcome("requeue", fields)
 
     def describe_live(self, holder: dict[str, Any]) -> str | None:
         job_id = str(holder.get("job_id", ""))

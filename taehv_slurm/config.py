@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from taehv_slurm.typed_yaml import ConfigError, load_typed
 
@@ -60,6 +60,9 @@ class RuntimeSettings:
     gpu_memory_gb: float = 80.0
     cpus_per_task: int = 8
     run_dir: str | None = None  # where a task called directly (no scheduler) writes; None: runs/<train name>
+    slow_rank_margin: float = 0.3  # a rank whose compute per step exceeds the median by this much is slow
+    slow_rank_windows: int = 3  # ... in this many log windows in a row: then it is named
+    compile_cache_dir: str | None = None  # torch.compile's caches, shared by every attempt, shard and rank
 
     @classmethod
     def of(cls, value: RuntimeSettings | Mapping[str, Any] | None) -> RuntimeSettings:
@@ -76,6 +79,14 @@ def missing_engine_package(engine: str) -> str | None:
             "--no-build-isolation 'taehv-slurm[deepspeed]' (DeepSpeed builds from source), "
             "or set engine.kind: "
             "allreduce")
+
+
+def missing_tracker_package(tracking: TrackingConfig) -> str | None:
+    """One line naming how to install the trackers the config turns on when this interpreter lacks them."""
+    missing = [m for m in ("wandb", "mlflow") if getattr(tracking, m) and importlib.util.find_spec(m) is None]
+    off = ", ".join(f"tracking.{m}: false" for m in missing)
+    return (f"tracking.{' and tracking.'.join(missing)}: {' and '.join(missing)} not installed here: "
+            f"pip install 'taehv-slurm[trackers]', or set {off}" if missing else None)
 
 
 def gpus_here() -> int:
@@ -110,6 +121,19 @@ class ClusterConfig:
     max_requeues: int = 20  # every requeue counts: timeout, preemption, failure
     max_requeues_without_progress: int = 2  # consecutive restarts that end at the step they began
     requeue_on_failure: bool = True  # a crashed rank requeues the job (within the limits above)
+    exclude_failed_nodes: bool = True  # a node whose rank was killed or hung is left out of the next attempts
+    # Every rank's watchdog (docs/failures.md): a section (step, data, validation, save) that runs longer
+    # than max(hang_floor_s, hang_factor x the slowest time seen in it) is a hang; hang_uncalibrated_s
+    # until it has seen enough of the section. heartbeat_s: how often each rank records its progress.
+    hang_detection: bool = True
+    heartbeat_s: float = 5.0
+    hang_floor_s: float = 60.0
+    hang_factor: float = 5.0
+    hang_uncalibrated_s: float = 1800.0
+    # A rank whose compute per step (waits on the others and on data excluded) is more than
+    # slow_rank_margin above the median in slow_rank_windows log windows in a row is named (report only).
+    slow_rank_margin: float = 0.3
+    slow_rank_windows: int = 3
     setup: list[str] = field(default_factory=list)  # shell lines run before srun
     env: dict[str, str] = field(default_factory=dict)  # exported in the job
     secret_env: list[str] = field(default_factory=list)  # env names never written anywhere
@@ -126,6 +150,17 @@ class ClusterConfig:
     torch_threads: int | None = None  # torch.set_num_threads per rank; None: cpus_per_task
     gpu_memory_gb: float = 80.0  # per GPU; the plan checks that the engine fits
     group: str | None = None  # share run folders with this Unix group (read-only); None: owner only
+    # Submit reads a sample of the data with the job's own readers (within data_check_budget_s) before
+    # the job waits in the queue; false where the login node cannot see the data (the job still checks
+    # at start-up).
+    check_data_on_submit: bool = True
+    data_check_budget_s: float = 10.0
+    # torch.compile's caches (default <job_dir>/compile-cache, private like the runs): every attempt,
+    # shard and rank loads what the first compiled. The folder holds code the jobs run: keep it yours.
+    compile_cache_dir: str | None = None
+
+    # A cluster YAML file must name these (an empty file is a mistake, not the defaults).
+    REQUIRED_KEYS: ClassVar[tuple[str, ...]] = ("job_dir",)  # where everything goes: never a default
 
     def __post_init__(self) -> None:
         if self.tasks_per_node is None:
@@ -152,12 +187,15 @@ class ClusterConfig:
 
     def runtime(self, device: str | None = None) -> RuntimeSettings:
         """What a task needs from the cluster config where it runs (device: override `device`)."""
+        compile_cache = Path(self.compile_cache_dir or f"{self.job_dir}/compile-cache").absolute()
         return RuntimeSettings(device=device or self.device, dist_backend=self.dist_backend,
                                rendezvous_timeout_s=self.rendezvous_timeout_s,
                                collective_timeout_s=self.collective_timeout_s,
                                torch_threads=self.torch_threads or self.cpus_per_task,
                                gpu_memory_gb=self.gpu_memory_gb,
-                               cpus_per_task=self.cpus_per_task)
+                               cpus_per_task=self.cpus_per_task, slow_rank_margin=self.slow_rank_margin,
+                               slow_rank_windows=self.slow_rank_windows,
+                               compile_cache_dir=str(compile_cache))
 
     def secret_names(self) -> set[str]:
         """Env names whose values must never be written: listed in secret_env or named like a secret."""
@@ -210,6 +248,11 @@ class ClusterConfig:
         )
         _check(self.max_requeues >= 0, source, f"max_requeues must be ≥ 0, got {self.max_requeues}")
         _check(self.rendezvous_timeout_s >= 1, source, "rendezvous_timeout_s must be ≥ 1")
+        _check(0.5 <= self.heartbeat_s <= self.hang_floor_s / 3, source,
+               f"heartbeat_s={self.heartbeat_s} must be at least 0.5 and at most hang_floor_s / 3 "
+               f"({self.hang_floor_s / 3:g}): a hang is told by records older than three heartbeats")
+        _check(self.hang_factor >= 1 and self.hang_uncalibrated_s >= self.hang_floor_s, source,
+               "hang_factor must be ≥ 1 and hang_uncalibrated_s ≥ hang_floor_s")
         _check(self.mem_gb is None or self.mem_gb > 0, source, f"mem_gb must be > 0, got {self.mem_gb}")
         if self.backend in MACHINE_BACKENDS and self.nodes > 1:
             raise ConfigError(
@@ -304,12 +347,40 @@ class EngineConfig:
 class IntervalConfig:
     log_every: int = 25
     val_every: int = 1000
-    ckpt_every: int = 2000
+    # "auto": the plan's interval for the GPU count, from the failure rate at that scale and the save time
+    # (Young's formula; docs/failures.md), at most an hour of training
+    ckpt_every: int | Literal["auto"] = 2000
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
     # samples.jsonl: the clip indices of every step (all ranks, in rank order), to check the data order;
     # one small gather per step
     record_samples: bool = False
+
+
+@dataclass
+class DivergenceConfig:
+    # A step whose loss or gradient norm is not finite is skipped on every rank (never applied). Past
+    # the budget the run stops (FAILED, one line naming the step and the last checkpoint), or with
+    # action: rollback restores the last checkpoint and skips the batches since it (at most
+    # max_rollbacks times, then stops).
+    action: Literal["stop", "rollback"] = "stop"
+    max_consecutive: int = 3  # skipped steps in a row
+    max_in_window: int = 10  # ... or skipped steps within the last `window` steps
+    window: int = 200
+    max_rollbacks: int = 2
+
+
+@dataclass
+class TrackingConfig:
+    # W&B / MLflow beside TensorBoard (rank 0): one tracker run per training run across every requeue and
+    # resubmit, its id kept in <run>/trackers.json (taehv_slurm.trainer.trackers). The `trackers` extra.
+    wandb: bool = False
+    wandb_project: str = "taehv"
+    wandb_entity: str | None = None
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: `wandb sync <run>/wandb/offline-run-*`
+    mlflow: bool = False
+    mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else a file store in <run>/mlruns
+    mlflow_experiment: str = "taehv"
 
 
 @dataclass
@@ -325,9 +396,20 @@ class TrainConfig:
     batch: BatchConfig = field(default_factory=BatchConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     intervals: IntervalConfig = field(default_factory=IntervalConfig)
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    # A train YAML file must name these: an empty file would otherwise train the full-size defaults.
+    REQUIRED_KEYS: ClassVar[tuple[str, ...]] = ("name", "steps", "data.source", "batch.effective")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def model_fields(self) -> dict[str, Any]:
+        """What fixes the shapes of the model's weights: a checkpoint loads only into the same values."""
+        m = self.model
+        return {"latent_channels": m.latent_channels, "patch_size": m.patch_size,
+                "encoder_width": m.encoder_width, "decoder_widths": list(m.decoder_widths)}
 
     def validate(self, source: str = "train config") -> TrainConfig:
         d, b = self.data, self.batch
@@ -347,9 +429,14 @@ class TrainConfig:
                    f"teacher.kind={self.teacher.kind} needs teacher.path (a local diffusers VAE folder)")
         _check(self.optim.lr > 0, source, f"optim.lr must be > 0, got {self.optim.lr}")
         _check(len(self.optim.betas) == 2, source, "optim.betas needs two values, e.g. [0.9, 0.95]")
-        for key in ("log_every", "val_every", "ckpt_every", "keep_checkpoints"):
+        counted = [] if self.intervals.ckpt_every == "auto" else ["ckpt_every"]
+        for key in ("log_every", "val_every", *counted, "keep_checkpoints"):
             value = getattr(self.intervals, key)
             _check(value >= 1, source, f"intervals.{key} must be ≥ 1, got {value}")
+        for key in ("max_consecutive", "max_in_window", "window"):
+            value = getattr(self.divergence, key)
+            _check(value >= 1, source, f"divergence.{key} must be ≥ 1, got {value}")
+        _check(self.divergence.max_rollbacks >= 0, source, "divergence.max_rollbacks must be ≥ 0")
         return self
 
 

@@ -28,11 +28,19 @@ from taehv_slurm.submitit_api import convert_mem, make_sbatch_string
 CONTROLLER_START_S = 120  # the setup lines (module loads, a venv) run before the local controller starts
 
 
-def entry_command(python: str, folder: Path, run_dir: Path | None = None) -> str:
+def entry_command(python: str, folder: Path, run_dir: Path | None = None, after: str | None = None) -> str:
     """Each task's command: our entry point checks who can write the job folder before submitit loads
-    its pickle (run_dir: the folder the run owns, checked strictly; default the job folder)."""
-    return " ".join([python, "-u -m taehv_slurm.runtime.entry", shlex.quote(str(folder)),
-                     *([shlex.quote(str(run_dir))] if run_dir is not None else [])])
+    its pickle (run_dir: the folder the run owns, checked strictly; default the job folder). With
+    `after` (a shell word for srun's exit status): the same entry point once every rank ended."""
+    return " ".join([python, "-u -m taehv_slurm.runtime.entry", *(["--after", after] if after else []),
+                     shlex.quote(str(folder)), *([shlex.quote(str(run_dir))] if run_dir is not None else [])])
+
+
+def teardown_lines(python: str, folder: Path, run_dir: Path | None) -> list[str]:
+    """The sbatch script's lines after srun: the entry point records what the ranks could not (ranks
+    killed from outside) and requeues off their nodes where that helps; the job keeps srun's status."""
+    return ["srun_status=$?", entry_command(python, folder, run_dir, after='"$srun_status"'),
+            "exit $srun_status"]
 
 
 class LocalExecutor(submitit.LocalExecutor):
@@ -52,6 +60,7 @@ class LocalExecutor(submitit.LocalExecutor):
     def _submit_command(self, command: str) -> submitit.LocalJob:
         ntasks = int(self.parameters.get("tasks_per_node", 1))
         gpus = int(self.parameters.get("gpus_per_node", 0))
+        started = controller.start_mark()
         environ = {
             **os.environ,
             "SUBMITIT_EXECUTOR": "local",
@@ -64,6 +73,7 @@ class LocalExecutor(submitit.LocalExecutor):
             "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus)),
             "TAEHV_LOCAL_GRACE_S": str(self.grace_s),
             "TAEHV_LOCAL_MAX_RESTARTS": str(self.max_restarts),
+            "TAEHV_LOCAL_STARTED": started,
         }
         argv = [sys.executable, "-m", "taehv_slurm.runtime.controller", str(self.folder)]
         setup = list(self.parameters.get("setup", ()))
@@ -76,11 +86,12 @@ class LocalExecutor(submitit.LocalExecutor):
                                        stdin=subprocess.DEVNULL, start_new_session=True)
         # Returned once the controller has recorded its first state (or has died, e.g. a failing setup
         # line): from then on its state is known to any process that asks.
+        job_id = controller.local_job_id(process.pid, started)
         deadline = time.monotonic() + CONTROLLER_START_S
-        while not controller.state_path(self.folder, str(process.pid)).exists() and process.poll() is None \
+        while not controller.state_path(self.folder, job_id).exists() and process.poll() is None \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
-        return submitit.LocalJob(folder=self.folder, job_id=str(process.pid), process=process,
+        return submitit.LocalJob(folder=self.folder, job_id=job_id, process=process,
                                  tasks=list(range(ntasks)))
 
 
@@ -147,19 +158,21 @@ def make_executor(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping
     """
     folder = Path(folder)
     python = cluster.python or shlex.quote(sys.executable)
-    command = entry_command(python, folder, Path(run_dir) if run_dir is not None else None)
-    return _EXECUTORS[cluster.backend](cluster, folder, command, python, extra_env)
+    owner = Path(run_dir) if run_dir is not None else None
+    command = entry_command(python, folder, owner)
+    return _EXECUTORS[cluster.backend](cluster, folder, command, python, extra_env, owner)
 
 
 def _slurm_executor(cluster: ClusterConfig, folder: Path, command: str, python: str,
-                    extra_env: Mapping[str, str] | None) -> submitit.Executor:
+                    extra_env: Mapping[str, str] | None, run_dir: Path | None) -> submitit.Executor:
     executor = SlurmExecutor(folder, command, max_num_timeout=cluster.max_requeues, python=python)
-    executor.update_parameters(**slurm_parameters(cluster, extra_env))
+    executor.update_parameters(**slurm_parameters(cluster, extra_env), teardown=teardown_lines(python, folder,
+                                                                                            run_dir))
     return executor
 
 
 def _local_executor(cluster: ClusterConfig, folder: Path, command: str, python: str,
-                    extra_env: Mapping[str, str] | None) -> submitit.Executor:
+                    extra_env: Mapping[str, str] | None, run_dir: Path | None) -> submitit.Executor:
     executor = LocalExecutor(folder, command, grace_s=float(cluster.kill_wait_s),
                              max_restarts=cluster.max_requeues + 1, python=python)
     executor.update_parameters(
@@ -174,7 +187,7 @@ def _local_executor(cluster: ClusterConfig, folder: Path, command: str, python: 
 
 
 def _debug_executor(cluster: ClusterConfig, folder: Path, command: str, python: str,
-                    extra_env: Mapping[str, str] | None) -> submitit.Executor:
+                    extra_env: Mapping[str, str] | None, run_dir: Path | None) -> submitit.Executor:
     return submitit.DebugExecutor(folder)
 
 
@@ -187,9 +200,11 @@ def sbatch_preview(cluster: ClusterConfig, folder: str | Path, extra_env: Mappin
     for a job array of `array_size` runs (a sweep); secrets never appear in it."""
     folder = Path(folder)
     python = cluster.python or shlex.quote(sys.executable)
-    command = entry_command(python, folder, Path(run_dir) if run_dir is not None else None)
+    owner = Path(run_dir) if run_dir is not None else None
     array = {"map_count": array_size} if array_size > 1 else {}
-    return make_sbatch_string(command=command, folder=folder, **slurm_parameters(cluster, extra_env), **array)
+    return make_sbatch_string(command=entry_command(python, folder, owner), folder=folder,
+                              **slurm_parameters(cluster, extra_env), **array,
+                              teardown=teardown_lines(python, folder, owner))
 
 
 class SubmissionError(RuntimeError):

@@ -22,6 +22,7 @@ from taehv_slurm import slurm
 from taehv_slurm.backends import backend_named
 from taehv_slurm.config import ClusterConfig, load_cluster
 from taehv_slurm.registry import find_record, read_registry, run_name
+from taehv_slurm.runtime.provenance import commit_label, read_attempts
 from taehv_slurm.runtime.runfiles import EventLog
 
 if TYPE_CHECKING:  # only for annotations: importing pandas/matplotlib costs seconds
@@ -234,16 +235,22 @@ class JobHandle:
 
     def _failure(self) -> tuple[int | None, str | None]:
         events = self.events()
+        fatal = [e for e in events if e["event"] == "failure" and e.get("fatal")]
+        if fatal:  # a stop the task chose (a diverged run): its own one line
+            return fatal[-1].get("rank"), fatal[-1]["error"]
         controller = self.backend.failure(self.job_id, self.folder)
         if (first := controller.get("failed_rank")) is not None:
             # The rank that failed first holds the cause; the others' errors ("connection closed by peer")
-            # are its consequence. Without an error of its own (killed, os._exit) the controller's line
-            # says it.
+            # are its consequence. Without an error of its own (killed, os._exit): the killed record when
+            # it names that rank alone (host, signal, step), else the controller's line.
             own = [e["error"] for e in events if e["event"] == "failure" and e.get("rank") == first]
-            return first, own[-1] if own else controller.get("error") or None
+            killed = [e["detail"] for e in events if e["event"] == "killed" and e.get("ranks") == [first]]
+            return first, (own or killed or [controller.get("error")])[-1] or None
         for event in reversed(events):
             if event["event"] == "failure":
                 return event.get("rank"), event["error"]
+            if event["event"] == "killed":
+                return (event.get("ranks") or [None])[0], event["detail"]
             if event["event"] == "requeue_failed":
                 fix = event.get("fix", "")
                 return event.get("rank"), (f"saved step {event['step']} but could not requeue: "
@@ -251,10 +258,15 @@ class JobHandle:
         return None, controller.get("error") or None
 
     def last_step(self) -> int | None:
-        """The last step rank 0 logged (reads only the end of metrics.jsonl)."""
+        """The last step rank 0 logged in this job (a run resubmitted under its name holds later jobs'
+        rows too: an older job's step is its own). The newest job reads only the end of metrics.jsonl."""
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return None
+        end = self._time_window()[1] if "submitted_at" in self.record else math.inf
+        if end != math.inf:
+            steps = [r["step"] for r in EventLog(path).read() if "step" in r and r.get("time", 0) < end]
+            return int(steps[-1]) if steps else None
         with path.open("rb") as f:
             f.seek(0, io.SEEK_END)
             f.seek(max(0, f.tell() - 4096))
@@ -296,6 +308,27 @@ class JobHandle:
             return False  # no accounting here (or no record at all), or it has the end already
         return slurm.is_final(slurm.squeue_state(self.job_id) or "PENDING")
 
+    def goodput(self) -> pd.DataFrame:
+        """One row per attempt of this job: allocated node-seconds (sacct's, where the site keeps
+        accounting), time to first step, steps kept and productive node-seconds, work lost to each
+        interruption, time in saves, and ETTR = productive / allocated (taehv_slurm.goodput); the totals
+        are in `frame.attrs`."""
+        from taehv_slurm.goodput import goodput_frame
+        from taehv_slurm.runtime.checkpoint import Checkpointer
+
+        rows = [r for r in EventLog(self.run_dir / "metrics.jsonl").read() if "loss" in r]
+        accounting = self.accounting() if self.backend.has_accounting else None
+        final = Checkpointer(self.run_dir / "checkpoints").latest_step()
+        return goodput_frame(self.events(), rows, int(self.record.get("nodes") or 1), final, accounting)
+
+    def config_history(self) -> pd.DataFrame:
+        """One row per attempt of this run (every job of its run folder): job id, restart, step it started
+        at, hosts, git commit and whether the tree was dirty (the diff is saved beside), versions, what
+        changed since the attempt before, and the training config flattened to columns ("optim.lr")."""
+        from taehv_slurm.reports import attempts_frame
+
+        return attempts_frame(read_attempts(self.run_dir))
+
     def summary(self) -> dict[str, Any]:
         """One status row: id, run, state, step/total, requeues, swept values, and why it stopped or
         failed."""
@@ -303,11 +336,17 @@ class JobHandle:
         state = self.state
         note = self.stop_reason or (self.error if not slurm.is_success(state) else None) or ""
         requeues = self.interruptions()
-        if requeues:
-            note = note or "requeued at step " + ", ".join(str(e["step"]) for e in requeues)
+        if requeues and not note:
+            killed = {e.get("segment"): e["detail"] for e in self.events() if e["event"] == "killed"}
+            note = "; ".join(f"requeued at step {e['step']} ({killed.get(e.get('segment')) or e['reason']})"
+                             for e in requeues)
+        goodput = self.goodput().attrs if "train" in self.record else {}
+        node_h = round(goodput["allocated_node_s"] / 3600, 4) if goodput else None
         return {"job_id": self.job_id, "run": self.name, "state": state,
                 "nodes": self.record.get("nodes"), "ranks": self.record.get("world_size"),
-                "step": f"{step if step is not None else '-'}/{total or '?'}", "requeues": len(requeues),
+                "step": step, "steps": total, "requeues": len(requeues),
+                "commit": commit_label(read_attempts(self.run_dir)), "ettr": goodput.get("ettr"),
+                "allocated_node_h": node_h,
                 "submitted": time.strftime("%Y-%m-%d %H:%M:%S",
                                            time.localtime(self.record.get("submitted_at", 0))),
                 **self.sweep, "note": note}

@@ -47,6 +47,13 @@ TRAIN_CLIPS_PER_GPU = 55.0
 LOADER_HEADROOM = 1.25  # workers for 25 % more than the GPU takes: load times vary clip to clip
 
 NCCL_TIMEOUT_BY_NODES = ((1, 3600), (2, 7200), (8, 14400))  # (from this many nodes, seconds)
+# Failures at scale, for the checkpoint interval: Llama 3's pretraining saw 466 job interruptions in 54
+# days on 16,384 H100s (Dubey et al., 2024, "The Llama 3 Herd of Models", section 3.3.4): one per this
+# many GPU-seconds.
+GPU_SECONDS_PER_INTERRUPTION = 54 * 86400 * 16384 / 466
+# A save of the ~135 MB state (gathered, written by rank 0), measured on one H100 (docs/benchmarks.md).
+SAVE_SECONDS = 0.5
+MAX_CHECKPOINT_INTERVAL_S = 3600.0  # whatever the scale: a hang or a lost node costs at most an hour
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class ScalePlan:
     log_every: int = 25
     val_every: int = 1000
     ckpt_every: int = 2000
+    ckpt_interval_s: float | None = None  # intervals.ckpt_every: auto — the interval it stands for
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,6 +117,8 @@ class ScalePlan:
 
     def table(self) -> str:
         """A two-column table for `taehv submit --dry-run` and notebooks."""
+        auto = (f" (ckpt auto: ≈{self.ckpt_interval_s / 60:.0f} min, least lost to failures at this scale; "
+                "docs/failures.md)" if self.ckpt_interval_s else "")
         rows = [
             ("GPUs", f"{self.world_size} = {self.num_nodes} node(s) × {self.gpus_per_node}"),
             ("effective batch", self.split_text()),
@@ -119,7 +129,8 @@ class ScalePlan:
             ("collective timeout", f"{self.nccl_timeout_s} s"),
             ("NCCL env", " ".join(f"{k}={v}" for k, v in self.nccl_env.items()) or "-"),
             ("loader", f"{self.num_workers} workers/GPU, prefetch {self.prefetch_factor}"),
-            ("log / val / ckpt", f"every {self.log_every} / {self.val_every} / {self.ckpt_every} steps"),
+            ("log / val / ckpt",
+             f"every {self.log_every} / {self.val_every} / {self.ckpt_every} steps{auto}"),
         ] + [("note", note) for note in self.notes]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
@@ -148,6 +159,7 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
     timeout = max(t for n, t in NCCL_TIMEOUT_BY_NODES if num_nodes >= n)
     nccl_env = _nccl_env(num_nodes) if on_gpu else {}
     workers, prefetch, notes = _loader_settings(cfg, cpus_per_task, on_gpu)
+    auto_interval = checkpoint_interval_s(world) if cfg.intervals.ckpt_every == "auto" else None
     scale = _lr_scale(cfg)
     return ScalePlan(
         num_nodes=num_nodes,
@@ -171,7 +183,9 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
         prefetch_factor=prefetch,
         log_every=cfg.intervals.log_every,
         val_every=cfg.intervals.val_every,
-        ckpt_every=cfg.intervals.ckpt_every,
+        ckpt_every=(checkpoint_every(cfg, world) if cfg.intervals.ckpt_every == "auto"
+                    else int(cfg.intervals.ckpt_every)),
+        ckpt_interval_s=auto_interval,
         notes=notes,
     )
 
@@ -211,10 +225,26 @@ def _nccl_env(num_nodes: int) -> dict[str, str]:
     env = {
         "NCCL_BUFFSIZE": str((32 if num_nodes >= 8 else 16) * 1024 * 1024),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",  # a timed-out collective raises instead of hanging
+        # NCCL's flight recorder: the last collectives of each rank, dumped into a hang's bundle
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     }
     if num_nodes > 1:
         env["NCCL_IB_TIMEOUT"] = "22"  # longer IB retry window on large fabrics
     return env
+
+
+def checkpoint_interval_s(gpus: int, save_s: float = SAVE_SECONDS) -> float:
+    """Seconds between checkpoints that cost the least at this scale: Young's first-order optimum
+    sqrt(2 × save time × the job's mean time between interruptions), at most an hour."""
+    return min(MAX_CHECKPOINT_INTERVAL_S, math.sqrt(2 * save_s * GPU_SECONDS_PER_INTERRUPTION / max(1, gpus)))
+
+
+def checkpoint_every(cfg: TrainConfig, gpus: int) -> int:
+    """`intervals.ckpt_every: auto`: the optimal interval in steps, at the measured training rate."""
+    pixels = cfg.data.frames * cfg.data.height * cfg.data.width / REFERENCE_CLIP_ELEMENTS
+    step_s = cfg.batch.effective * pixels / (max(1, gpus) * TRAIN_CLIPS_PER_GPU)
+    return max(1, round(checkpoint_interval_s(gpus) / step_s))
 
 
 def plan_for_cluster(cluster: ClusterConfig, train: TrainConfig | Mapping[str, Any]) -> ScalePlan:

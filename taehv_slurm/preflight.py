@@ -15,32 +15,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from taehv_slurm import slurm
 from taehv_slurm.backends import backend_named
+from taehv_slurm.checks import Row, data_row
 from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_cluster, load_train
 from taehv_slurm.executor import SubmissionError
-from taehv_slurm.messages import one_line
 from taehv_slurm.plan import plan_for_cluster, taehv_param_count
 from taehv_slurm.runtime.smoke import SmokeTask
-from taehv_slurm.security import make_private_dir
-
-
-@dataclasses.dataclass
-class Row:
-    check: str
-    result: str  # PASS, FAIL, WARN or SKIP
-    detail: str
-
-
-def table(rows: list[Row]) -> str:
-    width = max(len("check"), *(len(r.check) for r in rows))
-    lines = [f"{'check'.ljust(width)}  result  detail", f"{'-' * width}  ------  ------"]
-    lines += [f"{r.check.ljust(width)}  {r.result.ljust(6)}  {r.detail}" for r in rows]
-    return "\n".join(lines)
+from taehv_slurm.security import others_can_write
 
 
 @dataclasses.dataclass
@@ -50,9 +36,7 @@ class PreflightOptions:
     min_bus_gbps: float = 0.0  # FAIL below this bus bandwidth at the largest size
     job_timeout_s: float = 900.0  # queue + run
     sample_clips: int = 8  # video files (or prepared clips) the dataset check reads
-    # (train config, sample) → (result, detail): the trainer's readers on the dataset
-    # (taehv_slurm.trainer.checks)
-    dataset_check: Callable[[TrainConfig, int], tuple[str, str]] | None = None
+    data_budget_s: float = 60.0  # the dataset check's time (the trainer's readers on a sample)
     origins: Mapping[str, str] | None = None  # config key → the flag that set it (load_cluster's origins)
 
 
@@ -167,14 +151,8 @@ class Preflight:
         if d.source == "synthetic":
             self.add("dataset", "SKIP", "data.source synthetic: clips are generated, nothing to read")
             return
-        if self.options.dataset_check is None:
-            self.add("dataset", "SKIP", "no data reader given (the CLI passes the trainer's)")
-            return
-        try:
-            result, detail = self.options.dataset_check(t, self.options.sample_clips)
-        except Exception as err:  # the data code's own one-line errors (missing, empty, undecodable)
-            result, detail = "FAIL", one_line(err)
-        self.add("dataset", result, detail)
+        row = data_row(t, self.options.data_budget_s, self.options.sample_clips)
+        self.add("dataset", row.result, row.detail)
 
     # ------------------------------------------------------------------------ checkpoint folder
     def check_job_dir(self) -> None:
@@ -183,9 +161,15 @@ class Preflight:
             self.add("checkpoint folder", "SKIP", "needs valid cluster and train configs")
             return
         job_dir = Path(c.job_dir)
+        # Nothing is left behind: a folder that does not exist yet is not created (the first submit does),
+        # its nearest existing parent is probed instead, with a file that is removed again.
+        probed = next(p for p in (job_dir, *job_dir.absolute().parents) if p.exists())
+        if probed == job_dir and (who := others_can_write(job_dir)):
+            self.add("checkpoint folder", "FAIL", f"{job_dir} can be written by {who}: submit refuses it; "
+                                                  "use a folder only you can write as job_dir")
+            return
         try:
-            make_private_dir(job_dir, c.group)
-            with tempfile.NamedTemporaryFile(dir=job_dir, prefix=".preflight-") as probe:
+            with tempfile.NamedTemporaryFile(dir=probed, prefix=".preflight-") as probe:
                 probe.write(b"\0" * 2**20)
                 probe.flush()
                 os.fsync(probe.fileno())
@@ -200,8 +184,9 @@ class Preflight:
         size = 12 * taehv_param_count(t) + 32 * 1024 * world + 64 * 1024
         keep = t.intervals.keep_checkpoints
         need = (keep + 1) * size  # a new checkpoint is complete before the oldest is removed
-        free = shutil.disk_usage(job_dir).free
-        detail = (f"{job_dir} writable; {_size(free)} free, {keep} checkpoints of ≈{_size(size)} "
+        free = shutil.disk_usage(probed).free
+        where = job_dir if probed == job_dir else f"{job_dir} (to be created in {probed})"
+        detail = (f"{where} writable; {_size(free)} free, {keep} checkpoints of ≈{_size(size)} "
                   f"(+1 while saving) need {_size(need)}")
         if free < need:
             self.add("checkpoint folder", "FAIL", f"{detail}: free space there, "

@@ -23,7 +23,8 @@ class UnknownJobError(LookupError):
 
 def read_registry(job_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every submission recorded in `<job_dir>/registry.jsonl`, oldest first."""
-    return [e for e in EventLog(Path(job_dir) / REGISTRY).read() if e.get("event") == "submitted"]
+    return [e for e in EventLog(Path(job_dir) / REGISTRY).read(required=("job_id", "run_dir", "folder"))
+            if e.get("event") == "submitted"]
 
 
 def record_submission(job_dir: str | os.PathLike, entry: Mapping[str, Any]) -> None:

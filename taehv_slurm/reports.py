@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from taehv_slurm.changes import config_changes, flatten
 from taehv_slurm.registry import read_registry, run_name
 from taehv_slurm.runtime.runfiles import EventLog
 
@@ -48,6 +49,26 @@ def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, An
     frame["elapsed_s"] = frame["time"] - frame["time"].min()
     frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
     return frame[[*METRIC_COLUMNS, *[c for c in frame.columns if c not in METRIC_COLUMNS]]]
+
+
+def attempts_frame(attempts: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """One row per attempt (taehv_slurm.runtime.provenance): when and where it ran, the code and versions,
+    what changed since the attempt before, and its training config flattened to columns ("optim.lr")."""
+    rows, previous = [], None
+    for attempt in attempts:
+        config = attempt.get("config") or {}
+        code = attempt.get("code") or {}
+        changed = [c.line() for c in config_changes(previous or {}, config)] if previous and config else []
+        rows.append({"job_id": attempt.get("job_id"), "restart": attempt.get("restart"),
+                     "time": attempt.get("time"), "step": attempt.get("step"),
+                     "hosts": ",".join(attempt.get("hosts") or []), "commit": code.get("commit"),
+                     "dirty": code.get("dirty"), "diff_file": code.get("diff_file"),
+                     **(attempt.get("versions") or {}), "changed": "; ".join(changed), **flatten(config)})
+        previous = config or previous
+    frame = pd.DataFrame(rows)
+    if not frame.empty:
+        frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
+    return frame
 
 
 def final_row(frame: pd.DataFrame) -> pd.DataFrame:
@@ -84,12 +105,23 @@ def memory_bytes(text: str) -> float:
 
 
 def render(frame: pd.DataFrame, fmt: str) -> str:
-    """A frame as the CLIs print it: 'table' (aligned text), 'csv', or 'json' (a list of records)."""
+    """A frame as the CLIs print it: 'table' (aligned text), 'csv', or 'json' (a list of records).
+    CSV and JSON keep numbers as numbers; the table shows step and steps as one 'step' cell (12/40)."""
     if fmt == "csv":
         return frame.to_csv(index=False).rstrip("\n")
     if fmt == "json":
         return frame.to_json(orient="records", indent=1, date_format="iso")
-    return text_table(frame.to_dict("records"))
+    rows = frame.to_dict("records")
+    if {"step", "steps"} <= set(frame.columns):
+        rows = [{k: (_progress(row["step"], row["steps"]) if k == "step" else v)
+                 for k, v in row.items() if k != "steps"} for row in rows]
+    return text_table(rows)
+
+
+def _progress(step: object, steps: object) -> str | None:
+    if _cell(step) == "-":
+        return None
+    return f"{_cell(step)}/{_cell(steps)}" if _cell(steps) != "-" else _cell(step)
 
 
 def text_table(rows: Sequence[Mapping[str, Any]]) -> str:

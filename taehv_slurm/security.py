@@ -56,17 +56,45 @@ def make_private_dir(path: str | os.PathLike, group: str | None = None) -> Path:
     """Create `path` (and missing parents) owner-only (0700), or 2750 with `group`; tighten it if it exists.
 
     Raises UnsafePathError (one line) for a folder that belongs to another user or a group the user
-    is not in: such a folder cannot be made private, so nothing is written into it.
+    is not in, or an existing one that others may write: such a folder cannot be made private, so
+    nothing is written into it.
     """
     path = Path(path)
     gid = _group_id(group) if group else None
     created = [p for p in (path, *path.parents) if not os.path.lexists(p)]
+    if path not in created:
+        check_not_shared_writable(path)
     with private_umask(None):  # never briefly more open than 0700, whatever the caller's umask
         path.mkdir(parents=True, exist_ok=True)
     # created parents too: the group must traverse them
     for folder in [path, *[p for p in created if p != path]]:
         _restrict(folder, gid)
     return path
+
+
+def check_not_shared_writable(folder: Path) -> None:
+    """Refuse (one line, nothing changed) an existing folder that others may write: it is never tightened
+    silently, as files someone else put there before would still be read."""
+    if who := others_can_write(folder):
+        raise UnsafePathError(f"{folder} can be written by {who}: another user could put files there "
+                              "that the jobs would read; use a folder only you can write as job_dir "
+                              f"(e.g. mkdir -m 700 {folder / _name(os.geteuid())})")
+
+
+def others_can_write(folder: str | os.PathLike) -> str | None:
+    """Who besides its owner may write into `folder` ('every user (mode 1777)', 'group staff (mode
+    2770)'), or None. The sticky bit does not help here: others may still add files."""
+    st = os.stat(folder)
+    mode = f"mode {stat.S_IMODE(st.st_mode):04o}"
+    if st.st_mode & stat.S_IWOTH:
+        return f"every user ({mode})"
+    if st.st_mode & stat.S_IWGRP:
+        try:
+            group = grp.getgrgid(st.st_gid).gr_name
+        except KeyError:
+            group = str(st.st_gid)
+        return f"group {group} ({mode})"
+    return None
 
 
 def _group_id(group: str) -> int:
@@ -81,7 +109,8 @@ def _group_id(group: str) -> int:
 def _restrict(folder: Path, gid: int | None) -> None:
     st = folder.stat()
     if st.st_uid != os.geteuid():
-        raise UnsafePathError(f"cannot make {folder} private: it belongs to {_user(st.st_uid)}, not to you; "
+        raise UnsafePathError(f"cannot make {folder} private: it belongs to {describe_user(st.st_uid)}, "
+                              "not to you; "
                               f"use a folder of your own (e.g. {folder / _name(os.geteuid())}) as job_dir")
     if gid is None:
         os.chmod(folder, PRIVATE_DIR_MODE)
@@ -122,7 +151,8 @@ def check_safe_to_load(path: str | os.PathLike, root: str | os.PathLike | None =
                                   "replace it with the real file or folder")
         if st.st_uid != uid:
             raise UnsafePathError(
-                f"refusing to load {path}: {item} belongs to {_user(st.st_uid)}, not to you ({_name(uid)}); "
+                f"refusing to load {path}: {item} belongs to {describe_user(st.st_uid)}, "
+                f"not to you ({_name(uid)}); "
                 "copy what you trust into a folder of your own"
             )
         if st.st_mode & 0o022:
@@ -138,7 +168,7 @@ def check_safe_to_load(path: str | os.PathLike, root: str | os.PathLike | None =
             fix = (f"run `chmod o-w {item}` or move the run folder" if st.st_uid == uid else
                    f"move the run folder out of it (job_dir, or the executor folder) "
                    f"to a folder of your own; "
-                   f"{item} belongs to {_user(st.st_uid)}")
+                   f"{item} belongs to {describe_user(st.st_uid)}")
             raise UnsafePathError(f"refusing to load {path}: {item} is writable by everyone "
                                   "without the sticky bit "
                                   f"(mode {stat.S_IMODE(st.st_mode):04o}); {fix}")
@@ -186,6 +216,7 @@ def _name(uid: int) -> str:
         return str(uid)
 
 
-def _user(uid: int) -> str:
+def describe_user(uid: int) -> str:
+    """'alice (uid 1001)', or 'uid 1001' for a uid without a name here."""
     name = _name(uid)
     return f"{name} (uid {uid})" if name != str(uid) else f"uid {uid}"

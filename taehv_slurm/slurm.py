@@ -72,10 +72,13 @@ class Answer:
     error: str = ""
 
 
-def run(argv: Sequence[str], timeout_s: float = 60) -> Answer:
-    """Run a Slurm command; its failure (missing binary, non-zero exit, timeout) becomes an Answer."""
+def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False) -> Answer:
+    """Run a Slurm command; its failure (missing binary, non-zero exit, timeout) becomes an Answer.
+    survive_term: the command ignores SIGTERM — for the commands a job runs on itself right after
+    `scontrol requeuehold`, whose SIGTERM to the job's processes would otherwise end them half-way."""
+    command = ["sh", "-c", 'trap "" TERM; exec "$0" "$@"', *argv] if survive_term else list(argv)
     try:
-        result = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError:
         return Answer(False, error=f"{argv[0]} not found (not installed here, or not on PATH)")
     except subprocess.TimeoutExpired:
@@ -112,12 +115,12 @@ def squeue_state(job_id: str) -> str | None:
     return states[0] if states else None
 
 
-def job_info(job_id: str, timeout_s: float = 30) -> dict[str, str] | Answer:
+def job_info(job_id: str, timeout_s: float = 30, survive_term: bool = False) -> dict[str, str] | Answer:
     """`scontrol show job -o` as {JobState, Reason, Restarts, EndTime, ...}, or the failed Answer."""
     binary = scontrol()
     if binary is None:
         return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
-    answer = run([binary, "show", "job", "-o", job_id], timeout_s=timeout_s)
+    answer = run([binary, "show", "job", "-o", job_id], timeout_s=timeout_s, survive_term=survive_term)
     if not answer.ok:
         return answer
     return dict(re.findall(r"(\w+)=(\S*)", answer.output))
@@ -129,6 +132,30 @@ def requeue(job_id: str, timeout_s: float = 60) -> Answer:
     if binary is None:
         return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
     return run([binary, "requeue", job_id], timeout_s=timeout_s)
+
+
+def update_job(job_id: str, survive_term: bool = False, **fields: str) -> Answer:
+    """`scontrol update JobId=JOB KEY=VALUE ...` (e.g. ExcNodeList of a pending job)."""
+    binary = scontrol()
+    if binary is None:
+        return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
+    return run([binary, "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())], timeout_s=60,
+               survive_term=survive_term)
+
+
+def expand_hosts(text: str | None) -> list[str]:
+    """Slurm's host list text ('tb[1-2],gpu7', or '(null)') as names."""
+    if not text or text == "(null)":
+        return []
+    import hostlist
+
+    return list(hostlist.expand_hostlist(text))
+
+
+def partition_size(partition: str) -> int:
+    """Nodes in `partition` that sinfo lists (0 when it cannot tell)."""
+    answer = run(["sinfo", "-h", "-p", partition, "-o", "%D"], timeout_s=30)
+    return sum(int(n) for n in answer.output.split() if n.isdigit()) if answer.ok else 0
 
 
 def requeue_fix(error: str) -> str:

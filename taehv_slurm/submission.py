@@ -20,6 +20,7 @@ import contextlib
 import errno
 import io
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -34,15 +35,34 @@ from taehv_slurm.executor import SubmissionError, describe_sbatch_error, make_ex
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.messages import command
 from taehv_slurm.picklecheck import check_picklable
-from taehv_slurm.registry import read_registry, record_submission, run_name
+from taehv_slurm.registry import REGISTRY, read_registry, record_submission, run_name
+from taehv_slurm.runtime.backend import RankBackend
 from taehv_slurm.runtime.requeue import RequeueableTask, check_takes_context
 from taehv_slurm.runtime.runlock import lock_holder
-from taehv_slurm.security import check_safe_to_load, make_private_dir, private_umask
+from taehv_slurm.runtime.watchdog import WatchdogSettings
+from taehv_slurm.security import (
+    UnsafePathError,
+    check_not_shared_writable,
+    check_safe_to_load,
+    describe_user,
+    make_private_dir,
+    private_umask,
+)
 from taehv_slurm.submitit_api import FailedJobError
 
 
 class RunBusyError(RuntimeError):
     """The run already has a live job; the message names it and how to follow, cancel or take over."""
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_run_name(name: str) -> None:
+    """A run name is one folder under job_dir: letters, digits and . _ - (not starting with . or -)."""
+    if not RUN_NAME.fullmatch(name):
+        raise ConfigError(f"run name {name!r}: use one folder name of letters, digits and . _ - "
+                          "(not starting with . or -), e.g. --name tiny-lr2e-4")
 
 
 def default_run_name(prefix: str) -> str:
@@ -85,6 +105,9 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig,
     backend = backend_named(cluster.backend)
     if reason := backend.unavailable_reason():
         raise SubmissionError(reason)
+    given = [run_names[0]] if run_names and len(tasks) == 1 else []  # a sweep's runs are named by its values
+    for name in given + ([group_name] if group_name else []):
+        check_run_name(name)
     check_job_dir(cluster.job_dir)
     base = Path(cluster.job_dir)
     if len(tasks) == 1:
@@ -94,10 +117,7 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig,
         planned = [group_dir / name for name in (run_names or [f"run{i}" for i in range(len(tasks))])]
     take_over_runs(planned, base, force)
     if requeueable:
-        tasks = [RequeueableTask(t, d, cluster.max_requeues, cluster.max_requeues_without_progress,
-                                 cluster.requeue_on_failure, cluster.signal_delay_s, cluster.kill_wait_s,
-                                 backend)
-                 for t, d in zip(tasks, planned)]
+        tasks = [requeueable_task(t, d, cluster, backend) for t, d in zip(tasks, planned)]
     jobs, folder, submitted_at = _submit_to_executor(tasks, planned, cluster, extra_env)
     job_dir = Path(cluster.job_dir)
     handles = []
@@ -153,6 +173,18 @@ def _submit_to_executor(tasks: Sequence[Callable[..., Any]], run_dirs: list[Path
     return jobs, folder, submitted_at
 
 
+def requeueable_task(task: Callable[..., Any], run_dir: str | os.PathLike, cluster: ClusterConfig,
+                     backend: RankBackend, requeue_on_failure: bool | None = None) -> RequeueableTask:
+    """`task` wrapped for `cluster`: its requeue limits, signal budgets, node exclusion and hang watchdog."""
+    watchdog = WatchdogSettings(interval_s=cluster.heartbeat_s, floor_s=cluster.hang_floor_s,
+                                factor=cluster.hang_factor, uncalibrated_s=cluster.hang_uncalibrated_s,
+                                enabled=cluster.hang_detection)
+    on_failure = cluster.requeue_on_failure if requeue_on_failure is None else requeue_on_failure
+    return RequeueableTask(task, run_dir, cluster.max_requeues, cluster.max_requeues_without_progress,
+                           on_failure, cluster.signal_delay_s, cluster.kill_wait_s, backend,
+                           cluster.exclude_failed_nodes, watchdog)
+
+
 def task_name(task: Any) -> str:
     """What the registry calls a task: its class's name (the named class for a TaskRef)."""
     inner = getattr(task, "task", task)  # inside a RequeueableTask
@@ -174,6 +206,13 @@ def check_job_dir(job_dir: str | os.PathLike) -> None:
         raise ConfigError(f"job_dir {job_dir}: cannot write there{where}: {err.strerror or err}; "
                           "set job_dir to a "
                           "folder you can write, on storage every node sees (--set job_dir=DIR)") from None
+    if existing == path:  # what make_private_dir refuses, and a registry someone else put there
+        check_not_shared_writable(path)
+        registry = path / REGISTRY
+        if registry.exists() and registry.stat().st_uid != path.stat().st_uid:
+            raise UnsafePathError(f"{registry} belongs to {describe_user(registry.stat().st_uid)}, not to "
+                                  "the owner of job_dir (someone else put it there): move it away and check "
+                                  "who can write to that folder")
 
 
 def take_over_runs(run_dirs: Sequence[Path], job_dir: Path, force: bool) -> None:

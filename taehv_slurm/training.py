@@ -16,13 +16,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, missing_engine_package
+from taehv_slurm.backends import backend_named
+from taehv_slurm.checks import Row, require_passing, submit_checks
+from taehv_slurm.config import (
+    ClusterConfig,
+    ConfigError,
+    TrainConfig,
+    missing_engine_package,
+    missing_tracker_package,
+)
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.plan import ScalePlan, plan_for_cluster
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.context import grace_seconds
 from taehv_slurm.runtime.tasks import TaskRef
-from taehv_slurm.submission import submit, submit_many
+from taehv_slurm.submission import SubmissionError, check_job_dir, check_run_name, submit, submit_many
 from taehv_slurm.sweep import point_name, sweep_grid, sweep_trains
 
 TRAIN_TASK = "taehv_slurm.trainer.task:TrainTask"
@@ -34,35 +42,57 @@ class RunCompleteError(RuntimeError):
 
 
 def submit_training(cluster: ClusterConfig, trains: TrainConfig | list[TrainConfig],
-                    run_name: str | None = None,
-                    sweep: list[dict[str, Any]] | None = None, force: bool = False,
-                    plans: list[ScalePlan] | None = None) -> list[JobHandle]:
+                    run_name: str | None = None, sweep: list[dict[str, Any]] | None = None,
+                    force: bool = False, plans: list[ScalePlan] | None = None,
+                    checks: Sequence[Row] | None = None) -> list[JobHandle]:
     """Submit one training run per train config (a job array for several); returns their JobHandles.
 
     sweep: the swept values of each config (one dict per config), recorded in the job registry and
     used for the run folder names (`<job_dir>/<run_name>/lr=0.0001/`). force: see taehv_slurm.submission.
     plans: the configs' plans for this cluster, if the caller has them already (else computed here).
+    checks: the submit-time checks' rows if the caller ran them (`training_checks`), else they run here;
+    a FAIL raises ChecksFailedError (one line per problem) and nothing is submitted.
     """
     trains = trains if isinstance(trains, list) else [trains]
     if sweep and len(sweep) != len(trains):
         raise ConfigError(f"submit_training: {len(trains)} train configs but {len(sweep)} sweep points")
     plans = plans or [plan_for_cluster(cluster, t) for t in trains]
-    # the jobs' python is ours
-    if cluster.python is None and (missing := missing_engine_package(plans[0].engine)):
-        raise ConfigError(missing)
+    names, dirs = run_folders(cluster, len(trains), run_name, sweep)
+    require_passing(training_checks(cluster, trains, plans, run_name, sweep) if checks is None else checks)
     tasks = [TaskRef(TRAIN_TASK, train=t.to_dict(), runtime=cluster.runtime()) for t in trains]
     records = [{"train": t.to_dict(), "plan": p.to_dict(), "sweep": point}
                for t, p, point in zip(trains, plans, sweep or [{}] * len(trains))]
-    if len(tasks) == 1:
-        names = [run_name] if run_name else None
-        dirs = [Path(cluster.job_dir) / run_name] if run_name else []
-    else:
-        names = [point_name(point) for point in sweep] if sweep and all(sweep) else None
-        dirs = [Path(cluster.job_dir) / run_name / n for n in names] if run_name and names else []
     check_not_complete(dirs, trains)
     return submit_many(tasks, cluster, names, extra_env=plans[0].nccl_env, records=records,
                        group_name=run_name,
                        force=force)
+
+
+def training_checks(cluster: ClusterConfig, trains: Sequence[TrainConfig], plans: Sequence[ScalePlan],
+                    run_name: str | None, sweep: list[dict[str, Any]] | None = None,
+                    data: bool | None = None) -> list[Row]:
+    """The submit-time checks of these runs (taehv_slurm.checks); nothing is written. Raises ConfigError
+    for a bad run name or job_dir, or a missing engine package; SubmissionError where the backend cannot be
+    used from here (no Slurm): the data checks would not matter yet."""
+    if reason := backend_named(cluster.backend).unavailable_reason():
+        raise SubmissionError(reason)
+    if run_name is not None:
+        check_run_name(run_name)
+    check_job_dir(cluster.job_dir)
+    # the jobs' python is ours
+    if cluster.python is None and (missing := missing_engine_package(plans[0].engine)
+                                   or missing_tracker_package(trains[0].tracking)):
+        raise ConfigError(missing)
+    return submit_checks(cluster, trains, plans, run_folders(cluster, len(trains), run_name, sweep)[1], data)
+
+
+def run_folders(cluster: ClusterConfig, count: int, run_name: str | None,
+                sweep: list[dict[str, Any]] | None) -> tuple[list[str] | None, list[Path]]:
+    """(names for submit_many, the run folders where the name fixes them) of `count` runs."""
+    if count == 1:
+        return ([run_name], [Path(cluster.job_dir) / run_name]) if run_name else (None, [])
+    names = [point_name(point) for point in sweep] if sweep and all(sweep) else None
+    return names, ([Path(cluster.job_dir) / run_name / n for n in names] if run_name and names else [])
 
 
 def submit_sweep(cluster: ClusterConfig, train: TrainConfig, grid: Mapping[str, Sequence[Any]] | list[str],
@@ -92,7 +122,7 @@ def check_not_complete(run_dirs: Sequence[Path], trains: Sequence[TrainConfig]) 
 
 
 def submit_prepare(cluster: ClusterConfig, out: str | os.PathLike, shards: int, run_name: str | None = None,
-                   batch: int = 4, workers: int | None = None, compile: bool = False) -> JobHandle:
+                   batch: int = 2, workers: int | None = None, compile: bool = True) -> JobHandle:
     """Submit the preparation of `out` (its window list of `shards` shards already written) as one job."""
     # After a signal a shard in progress is finished only if that fits well inside the signal's grace
     # (half of it: the save, the requeue and the exit need the rest).

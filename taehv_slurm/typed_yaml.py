@@ -29,6 +29,10 @@ def load_typed(cls: type, path_or_dict: Any, kind: str, overrides: Mapping[str, 
     """`cls` built from `path_or_dict` with `overrides`, validated (`cls.validate(source)`); `resolve`
     finds a path that does not exist from here (e.g. the configs shipped with the package)."""
     data, source = read_yaml(path_or_dict, kind, resolve)
+    if path_or_dict is not None and not isinstance(path_or_dict, Mapping):
+        # A misspelt key explains a missing one: name it first, with what was meant.
+        _reject_unknown(cls, data, source)
+        check_required(cls, apply_overrides(data, overrides), source, kind)
 
     def attempt(data: dict[str, Any], where: str) -> Any:
         return _build(cls, data, where).validate(where)
@@ -74,6 +78,19 @@ def parse_set_args(items: list[str] | None) -> dict[str, Any]:
         except yaml.YAMLError:
             out[key.strip()] = raw
     return out
+
+
+def check_required(cls: type, data: Mapping[str, Any], source: str, kind: str) -> None:
+    """A config file (with its overrides) must give `cls.REQUIRED_KEYS`: ConfigError listing the missing."""
+    missing = [key for key in getattr(cls, "REQUIRED_KEYS", ()) if not _has(data, key.split("."))]
+    if missing:
+        example = "configs/train/tiny.yaml" if "train" in kind else "configs/cluster/local.yaml"
+        raise ConfigError(f"{source}: missing required key{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(missing)}; add them (see {example}) or give them with --set")
+
+
+def _has(data: Any, parts: list[str]) -> bool:
+    return not parts or (isinstance(data, Mapping) and parts[0] in data and _has(data[parts[0]], parts[1:]))
 
 
 def read_yaml(path_or_dict: Any, kind: str,
@@ -129,10 +146,15 @@ def _deep_copy(data: Any) -> Any:
 def _build(cls: type, data: Mapping[str, Any], source: str, prefix: str = "") -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{source}: '{prefix.rstrip('.')}' must be a mapping of key: value, got {data!r}")
-    if not prefix and (unknown := _unknown_keys(cls, data)):  # every one at once, not one per run
-        raise ConfigError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+    if not prefix:
+        _reject_unknown(cls, data, source)
     hints = typing.get_type_hints(cls)
     return cls(**{key: _coerce(value, hints[key], source, f"{prefix}{key}") for key, value in data.items()})
+
+
+def _reject_unknown(cls: type, data: Mapping[str, Any], source: str) -> None:
+    if unknown := _unknown_keys(cls, data):  # every one at once, not one per run
+        raise ConfigError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
 
 
 def _unknown_keys(cls: type, data: Any, prefix: str = "") -> list[str]:
@@ -163,6 +185,11 @@ def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        for kind in inner[1:]:  # e.g. int | Literal["auto"]: the first kind the value fits
+            try:
+                return _coerce(value, kind, source, key)
+            except ConfigError:
+                continue
         return _coerce(value, inner[0], source, key)
     if origin is Literal:
         if value not in args:

@@ -13,14 +13,14 @@ from tests.slurm_testbed import REPO, Testbed, TestbedError
 # ===================================================================== the real Slurm testbed (begin)
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[Testbed]:
-    """A real 2-node Slurm cluster (tb1, tb2; 8 fake GPUs and 16 CPUs each; accounting on) on this machine.
+    """A real 3-node Slurm cluster (tb1-tb3; 8 fake GPUs and 16 CPUs each; accounting on) on this machine.
 
     Started once per test session under <repo>/.testbed and stopped at the end; if the CLI
     (`python -m tests.slurm_testbed start`) already runs that testbed, it is used and left running.
     SLURM_CONF is set in os.environ for the whole session, so tests call sbatch/squeue/sacct and submitit
     directly. Missing Slurm or not root is a failure (never a skip): run scripts/setup.sh.
     """
-    bed = Testbed(REPO / ".testbed")
+    bed = Testbed(REPO / ".testbed", nodes=3)  # 3: a job of 2 nodes can be requeued without a failed one
     began = time.monotonic()
     try:
         bed.start()

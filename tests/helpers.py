@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import select
 import struct
 import subprocess
@@ -20,12 +21,21 @@ from taehv_slurm.config import ClusterConfig, TrainConfig, load_cluster, load_tr
 from taehv_slurm.runtime.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
+LOCAL_JOB_ID = r"\d+-[0-9a-z]+"  # a local job's id: its controller's pid, '-', its start second in base 36
 # The environment submitit's local executor gives the single task of job 4242 (for running the entry point
 # directly).
 LOCAL_TASK_ENV = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "4242", "SUBMITIT_LOCAL_NTASKS": "1",
                   "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0",
                   "SUBMITIT_LOCAL_GLOBALID": "0",
                   "SUBMITIT_LOCAL_LOCALID": "0"}
+
+
+def documented(key: str, tmp: Path | None = None) -> str:
+    """The message block docs/errors.md shows under `<!-- msg: KEY -->` (`$TMP` there: `tmp`)."""
+    text = (REPO / "docs/errors.md").read_text()
+    blocks = dict(re.findall(r"<!-- msg: (\S+) -->\n```text\n(.*?)\n```", text, re.S))
+    assert key in blocks, f"docs/errors.md has no message block '{key}'"
+    return blocks[key].replace("$TMP", str(tmp)) if tmp is not None else blocks[key]
 
 
 def make_cluster(job_dir: Path, **overrides: Any) -> ClusterConfig:

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from taehv_slurm.runtime.checkpoint import Checkpointer
 
 
 class CrashAfterStart:
-    """Marks its start like the trainer does, then fails: a requeue loop with no progress."""
+    """Marks its start like the trainer does, then fails: a requeue loop with no progress. `varying`: each
+    attempt fails differently (so only the no-progress guard, not the repeated-failure one, can stop it)."""
+
+    CAUSES = ("disk", "network", "memory")
+
+    def __init__(self, varying: bool = False) -> None:
+        self.varying = varying
 
     def __call__(self, ctx: Any) -> None:
+        import os
+
         ctx.started(Checkpointer(ctx.run_dir / "checkpoints").latest_step() or 0)
-        raise RuntimeError("simulated crash right after the restart")
+        attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        cause = f" ({self.CAUSES[attempt % len(self.CAUSES)]})" if self.varying else ""
+        raise RuntimeError(f"simulated crash right after the restart{cause}")
 
 
 class StopAtFirstBoundary:
@@ -90,3 +101,23 @@ def train_with_the_context(name: str, ctx: Any) -> dict:
 
     train = tiny_train(steps=30, name=name, **{"intervals.log_every": 1})
     return TrainTask(train.to_dict(), {"device": "cpu", "torch_threads": 1})(ctx)
+
+
+class FailsAtStep:
+    """Trains like CountingTask but raises `error` at step `step` of every attempt (a failure that repeats,
+    as an out-of-memory error at the same step does)."""
+
+    def __init__(self, step: int, error: str = "CUDA out of memory. Tried to allocate 2.00 GiB") -> None:
+        self.step, self.error = step, error
+
+    def __call__(self, ctx: Any) -> int:
+        checkpoints = Checkpointer(ctx.run_dir / "checkpoints", keep=2)
+        step = checkpoints.latest_step() or 0
+        ctx.started(step)
+        while True:
+            ctx.step_boundary(step, functools.partial(_save_count, checkpoints, step))
+            if step == self.step:
+                raise MemoryError(self.error)
+            step += 1
+            if step % 2 == 0:
+                _save_count(checkpoints, step)

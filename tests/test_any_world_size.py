@@ -75,12 +75,11 @@ def flat(weights: dict[str, torch.Tensor]) -> torch.Tensor:
 def initial_weights() -> dict[str, torch.Tensor]:
     """The weights every run starts from (the trainer's own initialisation with the config's seed)."""
     from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training
-    from taehv_slurm.trainer.train import _model_fields
 
     cfg = tiny_train()
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
-        model = TAEHV(TAEHVConfig.from_dict(_model_fields(cfg)))
+        model = TAEHV(TAEHVConfig.from_dict(cfg.model_fields()))
         init_for_training(model)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 

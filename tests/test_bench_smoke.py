@@ -74,3 +74,15 @@ def test_requeue_signal_smoke(tmp_path: Path) -> None:
     assert resume["final_step"] == resume["from_step"] + 3
     # effective batch held on half the ranks
     assert resume["grad_accum"] == 2 and resume["effective_batch"] == 4
+
+
+def test_goodput_model_recommends_shorter_intervals_at_scale(tmp_path: Path) -> None:
+    out = tmp_path / "goodput.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_model.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["gpus"] for r in rows] == [64, 512, 4096]
+    intervals = [r["checkpoint_interval_min"] for r in rows]
+    assert intervals == sorted(intervals, reverse=True)  # more GPUs, more failures: save more often
+    assert all(r["ettr"] >= r["ettr_hourly_checkpoints"] for r in rows)  # the optimum beats hourly saves

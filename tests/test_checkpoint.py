@@ -77,7 +77,8 @@ def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_resumes(tm
     assert len(aside) == 1 and (aside[0] / "state.pt").read_bytes() == whole[: len(whole) // 2]
     assert (tmp_path / "latest").read_text().strip() == "step_00000010"
     assert len(ckpt.moved_aside) == 1 and "\n" not in ckpt.moved_aside[0]
-    assert ckpt.moved_aside[0].startswith("checkpoint step 20 is damaged (state.pt is damaged")
+    cause = f"state.pt has {len(whole) // 2} bytes, {len(whole)} were written (cut short or overwritten)"
+    assert ckpt.moved_aside[0].startswith(f"checkpoint step 20 is damaged ({cause})")
     assert "resuming from step 10" in ckpt.moved_aside[0]
     assert Checkpointer(tmp_path).steps() == [10]  # the damaged one is no longer a checkpoint
     ckpt.save(state_for(30, 0.01), 30)  # and saving goes on past it

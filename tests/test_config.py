@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from taehv_slurm.backends import SlurmBackend
 from taehv_slurm.config import (
     ClusterConfig,
     ConfigError,
@@ -18,6 +19,7 @@ from taehv_slurm.config import (
     split_overrides,
 )
 from taehv_slurm.executor import sbatch_preview
+from taehv_slurm.submission import requeueable_task
 from taehv_slurm.typed_yaml import parse_set_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -156,9 +158,18 @@ def test_every_cluster_field_reaches_the_script_or_the_job(tmp_path: Path) -> No
                  "tasks_per_node", "gres", "cpus_per_task", "mem_gb", "time_min", "exclusive",
                  "signal_delay_s", "setup", "env", "srun_args", "sbatch_args", "group", "python", "backend",
                  "job_dir", "allow_task_gpu_mismatch", "secret_env", "array_parallelism"}
-    requeue = {"kill_wait_s", "max_requeues", "max_requeues_without_progress", "requeue_on_failure"}
+    requeue = {"kill_wait_s", "max_requeues", "max_requeues_without_progress", "requeue_on_failure",
+               "exclude_failed_nodes", "heartbeat_s", "hang_detection", "hang_floor_s", "hang_factor",
+               "hang_uncalibrated_s"}
+    task = requeueable_task(lambda ctx: None, tmp_path / "run", load_cluster(
+        {"heartbeat_s": 7, "hang_floor_s": 90, "hang_factor": 4, "hang_uncalibrated_s": 900,
+         "hang_detection": False, "exclude_failed_nodes": False, "max_requeues": 5}), SlurmBackend())
+    watchdog = task.watchdog
+    assert (watchdog.interval_s, watchdog.floor_s, watchdog.factor, watchdog.uncalibrated_s, watchdog.enabled,
+            task.exclude_failed_nodes, task.guards.max_requeues) == (7, 90, 4, 900, False, False, 5)
+    submit = {"check_data_on_submit", "data_check_budget_s"}  # submit-time checks; see tests/test_local.py
     every = {f.name for f in dataclasses.fields(ClusterConfig)}
-    assert every <= scheduler | requeue | runtime, every - scheduler - requeue - runtime
+    assert every <= scheduler | requeue | runtime | submit, every - scheduler - requeue - runtime - submit
 
 
 def test_secrets_are_masked() -> None:

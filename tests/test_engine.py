@@ -29,10 +29,10 @@ def process_group():
         dist.destroy_process_group()
 
 
-def engine(kind: str):
+def engine(kind: str, device: str = "cpu"):
     torch.manual_seed(0)
-    module = DistillModule(TAEHV(TAEHVConfig(encoder_width=8, decoder_widths=[16, 8, 8, 8])))
-    return make_engine(kind, module, torch.device("cpu"), precision="fp32", grad_clip=1.0, lr=1e-3,
+    module = DistillModule(TAEHV(TAEHVConfig(encoder_width=8, decoder_widths=[16, 8, 8, 8]))).to(device)
+    return make_engine(kind, module, torch.device(device), precision="fp32", grad_clip=1.0, lr=1e-3,
                        betas=(0.9, 0.95), weight_decay=0.01, compile=False, per_gpu_batch=2, grad_accum=2)
 
 
@@ -72,3 +72,35 @@ def source_next_loss(state) -> float:
     reference = engine("allreduce")
     reference.load_full_state(state)
     return loss_of(reference.train_step([batch(100), batch(101)], 1e-3))
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_non_finite_step_is_never_applied(kind: str) -> None:
+    assert_non_finite_step_skipped(kind, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_fused_gpu_optimizer_skips_a_non_finite_step_on_the_device() -> None:
+    assert_non_finite_step_skipped("allreduce", "cuda")  # fused AdamW's found_inf: no host sync
+
+
+def assert_non_finite_step_skipped(kind: str, device: str) -> None:
+    def on_device(b: Microbatch) -> Microbatch:
+        return Microbatch(b.frames.to(device), b.latents.to(device), b.weight)
+
+    trained = engine(kind, device)
+    trained.train_step([on_device(batch(0)), on_device(batch(1))], 1e-3)
+    before = trained.full_state()
+    poisoned = on_device(batch(2))
+    frames = poisoned.frames.float()
+    frames[0, 0, 0, 0, 0] = float("nan")  # one pixel of one clip: the whole step's loss is NaN
+    result = trained.train_step([Microbatch(frames, poisoned.latents, 0.5), on_device(batch(3))], 1e-3)
+    assert bool(result.skipped)
+    after = trained.full_state()
+    assert after["optimizer_step"] == before["optimizer_step"]  # AdamW did not count it either
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        for name, value in before[key].items():
+            assert torch.equal(after[key][name], value), f"{kind}: {key} {name} changed by a skipped step"
+    assert not bool(trained.train_step([on_device(batch(4)), on_device(batch(5))], 1e-3).skipped)
+    assert trained.full_state()["optimizer_step"] == before["optimizer_step"] + 1  # and training goes on

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -25,19 +24,10 @@ from taehv_slurm.runtime.checkpoint import Checkpointer, CheckpointError
 from taehv_slurm.runtime.distenv import DistributedSetupError
 from taehv_slurm.runtime.node_launcher import choose_ranks
 from taehv_slurm.trainer.data import ClipSpec, VideoFolderClips
-from tests.helpers import cli, mounted_tmpfs, tiny_train
+from tests.helpers import REPO, cli, documented, mounted_tmpfs, tiny_train
 from tests.videos import write_garbage, write_video
 
-REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "errors.md"
 HOST = socket.gethostname()
-
-
-def documented(key: str) -> str:
-    """The message block docs/errors.md shows under `<!-- msg: KEY -->`."""
-    blocks = dict(re.findall(r"<!-- msg: (\S+) -->\n```text\n(.*?)\n```", DOC.read_text(), re.S))
-    assert key in blocks, f"docs/errors.md has no message block '{key}'"
-    return blocks[key]
 
 
 def as_documented(text: str) -> str:
@@ -97,6 +87,18 @@ def test_a_zero_engine_without_deepspeed_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()  # nothing submitted
 
 
+def test_a_tracker_without_its_package_is_one_line(tmp_path: Path) -> None:
+    without = ("import sys; sys.modules['mlflow'] = None; from taehv_slurm.cli import main; "
+               "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", without, "submit", "--local", "--train",
+                           "configs/train/tiny.yaml", "--set", "tracking.mlflow=true",
+                           "--set", "job_dir=runs"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and done.stderr.strip() == documented("tracker-not-installed")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.usefixtures("slurm_cluster")
 def test_missing_partition_on_the_command_line(tmp_path: Path) -> None:
     shutil.copy(REPO / "configs/cluster/testbed.yaml", tmp_path / "cluster.yaml")
@@ -127,8 +129,8 @@ def test_no_slurm_here_is_one_line(tmp_path: Path) -> None:
                         and row == [f"partition          FAIL    {expected.removeprefix('error: ')}"])
             else:
                 assert out.returncode == 2 and out.stderr.strip() == expected, out.stderr
-    # preflight's writable check; nothing submitted
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+    # nothing submitted, and preflight's writable check probes the job folder without creating it
+    assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------ launcher
@@ -215,8 +217,8 @@ def test_checkpoint_folder_not_writable(read_only: Path, tmp_path: Path,
 
 
 def test_checkpoint_from_another_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from taehv_slurm.trainer.build import IncompatibleCheckpointError
     from taehv_slurm.trainer.task import TrainTask
-    from taehv_slurm.trainer.train import IncompatibleCheckpointError
 
     monkeypatch.chdir(tmp_path)
     runtime = {"device": "cpu", "torch_threads": 1, "run_dir": "runs/tiny"}

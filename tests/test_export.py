@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -49,9 +50,14 @@ def test_export_round_trip(run: Path, tmp_path: Path, name: str, dtype: str,
     done = cli("jobs.export", str(run), "--out", name, "--dtype", dtype, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "exported step 2" in done.stdout
+    # the tiny config's shape is not the published one: the export says which loader reads it
+    assert "load it with taehv_slurm.trainer.model.load_published_weights, not the published taehv.py" \
+        in done.stdout
     sidecar = json.loads((tmp_path / f"{name}.json").read_text())
     assert sidecar["step"] == 2 and sidecar["dtype"] == dtype and sidecar["config"]["name"] == "tiny"
     assert sidecar["engine"] == "allreduce" and sidecar["world_size"] == 1
+    # one file mode for both formats and the sidecar: weights to share
+    assert {stat.S_IMODE((tmp_path / f).stat().st_mode) for f in (name, f"{name}.json")} == {0o644}
 
     reference = trained_model(run, torch_dtype)
     loaded = TAEHV(TAEHVConfig.from_dict(sidecar["model"]))
@@ -68,7 +74,8 @@ def test_export_round_trip(run: Path, tmp_path: Path, name: str, dtype: str,
 def test_readme_round_trip(run: Path, tmp_path: Path) -> None:
     readme = (REPO / "README.md").read_text()
     command = re.search(r"`(taehv export runs/run1 --out taehv\.safetensors)`", readme).group(1)
-    snippet = re.search(r"Load it with the published.*?```python\n(.*?)```", readme, re.S).group(1)
+    snippet = re.search(r"loads only here, and the export says so:\n\n```python\n(.*?)```", readme,
+                        re.S).group(1)
     (tmp_path / "runs").symlink_to(run.parent)
     # `python -m taehv_slurm` is the `taehv` script
     done = cli("taehv_slurm", *command.split()[1:], cwd=tmp_path)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from taehv_slurm.cli.watch import MetricsTail, progress_line
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.reports import registry_frame
 from taehv_slurm.runs import runs_frame
@@ -204,6 +205,17 @@ def test_a_requeued_job_completes_and_wait_prints_plain_progress_lines(
     assert "requeued 1×" in shown
 
 
+def test_the_terminal_bar_fits_the_width_and_keeps_loss_and_psnr(jobs: Jobs) -> None:
+    train = completed_train(jobs)
+    tail = MetricsTail(train.run_dir).poll()
+    lines = {width: progress_line(train, "COMPLETED", tail, train.requeue_count, width)
+             for width in (200, 100, 79, 60)}
+    assert all(len(line) <= width for width, line in lines.items()), lines
+    assert all(f"{TRAIN_STEPS}/{TRAIN_STEPS}" in line and "loss " in line and "psnr " in line
+               for width, line in lines.items() if width >= 60), lines
+    assert "[####################]" in lines[200] and "clips/s" in lines[200] and "requeued 1×" in lines[200]
+
+
 def test_the_metrics_mark_the_requeue_and_log_every_step_once(jobs: Jobs) -> None:
     train = completed_train(jobs)
     requeues = train.requeues
@@ -253,11 +265,13 @@ def test_status_cli_shows_the_requeue_as_a_table_json_and_csv(jobs: Jobs) -> Non
     assert row.split()[6] == "1" and f"requeued at step {step}" in row
     as_json = json.loads(cli("jobs.status", train.job_id, "--format", "json", "--job-dir",
                              str(jobs.job_dir)).stdout)
-    assert [(r["job_id"], r["state"], r["step"], r["requeues"]) for r in as_json] == \
-        [(train.job_id, "COMPLETED", f"{TRAIN_STEPS}/{TRAIN_STEPS}", 1)]
+    # numbers stay numbers for programs: the step and the total in their own fields
+    assert [(r["job_id"], r["state"], r["step"], r["steps"], r["requeues"]) for r in as_json] == \
+        [(train.job_id, "COMPLETED", TRAIN_STEPS, TRAIN_STEPS, 1)]
     as_csv = list(csv.DictReader(io.StringIO(cli("jobs.status", train.job_id, "--format", "csv", "--job-dir",
                                                  str(jobs.job_dir)).stdout)))
-    assert [(r["run"], r["state"], r["requeues"]) for r in as_csv] == [("observed", "COMPLETED", "1")]
+    assert [(r["run"], r["state"], r["step"], r["steps"], r["requeues"]) for r in as_csv] == \
+        [("observed", "COMPLETED", str(TRAIN_STEPS), str(TRAIN_STEPS), "1")]
 
 
 def test_status_cli_accounting_shows_one_row_per_attempt(jobs: Jobs) -> None:

@@ -49,5 +49,5 @@ def test_a_job_pickled_by_0_1_runs_after_the_upgrade(tmp_path: Path) -> None:
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     kinds = [e["event"] for e in EventLog(run_dir / "events.jsonl").read()]
-    assert kinds == ["start", "finished"]
+    assert kinds[0] == "start" and kinds[-1] == "finished" and "failure" not in kinds
     assert (run_dir / "checkpoints" / "step_00000002" / "state.pt").is_file()

@@ -82,9 +82,14 @@ def test_the_wheel_installs_one_namespace_and_the_taehv_command(installed: Path,
 
 def test_dry_run_from_an_empty_folder(installed: Path, tmp_path: Path) -> None:
     done = run_in(tmp_path, installed.parent / "taehv", "submit", "--nodes", "2", "--dry-run")
-    assert done.returncode == 0, done.stderr
     assert "#SBATCH --nodes=2" in done.stdout and "#SBATCH --ntasks-per-node=8" in done.stdout
     assert "effective batch" in done.stdout  # the plan for the shipped configs/train/taehv.yaml
+    # the shipped config trains on data/prepared, which this folder lacks: the dry run says a submit
+    # would be refused, and why, with exit 2
+    assert done.returncode == 2, done.stderr
+    assert "prepared data folder data/prepared does not exist" in done.stdout
+    refused = "a submit would be refused: check data failed (nothing was submitted)"
+    assert done.stdout.rstrip().endswith(refused)
     assert list(tmp_path.iterdir()) == []  # a dry run creates nothing
 
 

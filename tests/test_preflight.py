@@ -68,11 +68,12 @@ def test_missing_partition_fails_that_row_and_submits_nothing(tmp_path: Path) ->
     assert out.strip().splitlines()[-1] == "preflight FAILED: partition"
 
 
-def test_more_nodes_than_the_partition_has(tmp_path: Path) -> None:
-    code, rows, out = preflight(tmp_path, nodes=4)
+def test_more_nodes_than_the_partition_has(tmp_path: Path, slurm_cluster) -> None:
+    code, rows, out = preflight(tmp_path, nodes=slurm_cluster.nodes + 1)
     assert code == 1, out
     result, detail = rows["nodes"]
-    assert result == "FAIL" and "need 4" in detail and "lower --nodes to 2" in detail
+    assert (result == "FAIL" and f"need {slurm_cluster.nodes + 1}" in detail
+            and f"lower --nodes to {slurm_cluster.nodes}" in detail)
     assert out.strip().splitlines()[-1] == "preflight FAILED: nodes"
 
 
@@ -84,15 +85,19 @@ def test_missing_dataset(tmp_path: Path) -> None:
                                        "or is not a directory; "
                                        "point the data root at a folder of .mp4/.webm/.mkv/.mov files")
     assert out.strip().splitlines()[-1] == "preflight FAILED: dataset"
+    # without --job it writes nothing: the job folder is probed, not created
+    assert rows["checkpoint folder"][0] == "PASS" and "(to be created in " in rows["checkpoint folder"][1]
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_gres_cpus_and_memory_the_nodes_do_not_have(tmp_path: Path) -> None:
+def test_gres_cpus_and_memory_the_nodes_do_not_have(tmp_path: Path, slurm_cluster) -> None:
     code, rows, out = preflight(tmp_path, "--set", "gres=gpu:a100:2", "--set", "cpus_per_task=9",
                                 "--set", "mem_gb=64")
     assert code == 1, out
-    assert rows["GPUs (gres)"] == ("FAIL", "0 of 2 usable node(s) offer gpu:a100:2 (nodes have gpu:8): "
+    usable = f"0 of {slurm_cluster.nodes} usable node(s)"
+    assert rows["GPUs (gres)"] == ("FAIL", f"{usable} offer gpu:a100:2 (nodes have gpu:8): "
                                            "set gpus_per_node (or gres) to what the nodes have")
-    assert rows["CPUs"] == ("FAIL", "18 CPUs per node = 2 tasks × 9 cpus_per_task; 0 of 2 usable node(s) "
+    assert rows["CPUs"] == ("FAIL", f"18 CPUs per node = 2 tasks × 9 cpus_per_task; {usable} "
                                     "have that many (at most 16): lower cpus_per_task to 8")
     assert rows["memory"][0] == "FAIL" and "mem_gb 64 per node" in rows["memory"][1]
     assert out.strip().splitlines()[-1] == "preflight FAILED: GPUs (gres), CPUs, memory, nodes"

@@ -31,7 +31,7 @@ from taehv_slurm.trainer.shapes import teacher_frame_count
 from taehv_slurm.trainer.shards import read_shard_header, shard_path, verify, write_shard
 from taehv_slurm.trainer.teacher import load_teacher
 from taehv_slurm.training import submit_training
-from tests.helpers import REPO, make_cluster, metrics, tiny_train, wait_done, wait_for
+from tests.helpers import REPO, cli, make_cluster, metrics, tiny_train, wait_done, wait_for
 from tests.videos import nearest_frame, write_garbage, write_video
 
 SPEC = ClipSpec(frames=8, height=64, width=64)
@@ -186,6 +186,26 @@ def test_verify_detects_missing_and_misplaced_shards(prepared: Path, tmp_path: P
                          timeout=120)
     assert ": OK" in out.stdout and "EXIT 0" in out.stdout, out
     assert (copy / INDEX_FILE).read_text() == original
+
+
+def test_prepared_latents_of_another_model_are_refused_at_submit(prepared: Path, tmp_path: Path) -> None:
+    """The submit reads the shards with the trainer's reader: a model of other latents, or clips of another
+    length, is refused before the queue (exit 2, one line, nothing created)."""
+    base = ["--local", "--train", "configs/train/tiny.yaml", "--set", f"job_dir={tmp_path / 'runs'}",
+            "--set", "data.source=prepared", "--set", f"data.path={prepared}"]
+    cases = {
+        "model.latent_channels=8": f"data: {prepared} holds teacher latents of 16 channels, the model has "
+                                   "model.latent_channels 8: set model.latent_channels 16, or prepare again "
+                                   "with a teacher of that many channels into a new --out",
+        "data.frames=12": f"data: ValueError: {prepared} holds 8×64×64 clips (frames×height×width) but "
+                          "the config asks for 12×64×64; "}
+    for setting, message in cases.items():
+        done = cli("jobs.submit", *base, "--set", setting)
+        assert done.returncode == 2 and done.stderr.startswith(f"error: {message}"), done.stderr
+        assert done.stderr.count("\n") == 1 and not (tmp_path / "runs").exists()
+    fine = cli("jobs.submit", *base, "--dry-run")
+    assert fine.returncode == 0, fine.stdout[-2000:]
+    assert f"PASS    20 prepared clip(s) under {prepared}; read 8 of them" in fine.stdout
 
 
 def test_a_rerun_writes_only_the_missing_shards(prepared: Path, tmp_path: Path) -> None:

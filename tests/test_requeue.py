@@ -6,6 +6,7 @@ same time: the final weights and optimizer state must be bit-identical, and no s
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -37,6 +38,7 @@ from tests.helpers import (
     wait_for,
 )
 from tests.tasks import CountingTask, CrashAfterStart, StopAtFirstBoundary
+from tests.wandb_offline import offline_runs
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -62,7 +64,10 @@ def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
     cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=2, time_min=30)
     train = tiny_train(steps=45, **EXACT)
     reference = submit_training(cluster, train, "reference")[0]
-    preempted = submit_training(cluster, train, "preempted")[0]
+    # the preempted run also logs to W&B (offline) and MLflow (a file store): one tracker run throughout
+    tracked = tiny_train(steps=45, **EXACT, **{"tracking.wandb": True, "tracking.wandb_mode": "offline",
+                                                "tracking.mlflow": True})
+    preempted = submit_training(cluster, tracked, "preempted")[0]
     rng = random.Random(7)
     for n, at in enumerate(sorted(rng.sample(range(4, 40), 3)), start=1):
         wait_for(lambda at=at: last_step(preempted.run_dir) >= at, 600, f"step {at}")
@@ -81,9 +86,44 @@ def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
     assert step == 45
     for key in ("params", "exp_avg", "exp_avg_sq", "optimizer_step"):
         assert_identical({key: ref_state[key]}, {key: state[key]})
+    assert_one_tracker_run(preempted.run_dir, attempts=4)
     frame = preempted.accounting()  # real sacct: one REQUEUED record per interrupted run, then COMPLETED
-    states = list(frame[frame["JobID"] == preempted.job_id]["State"])
-    assert states == ["REQUEUED"] * 3 + ["COMPLETED"]
+    allocations = frame[frame["JobID"] == preempted.job_id]
+    assert list(allocations["State"]) == ["REQUEUED"] * 3 + ["COMPLETED"]
+
+    # Goodput, one row per attempt: the allocation is sacct's, and every step trained is kept exactly once.
+    goodput = preempted.goodput()
+    assert list(goodput["attempt"]) == [0, 1, 2, 3]
+    sacct_node_s = float((allocations["ElapsedSeconds"] * allocations["NNodes"].astype(int)).sum())
+    assert goodput.attrs["allocated_node_s"] == pytest.approx(sacct_node_s, rel=0.01)
+    assert int(goodput["steps_kept"].sum()) == 45 and list(goodput["lost_steps"]) == [0, 0, 0, 0]
+    assert goodput["time_to_first_step_s"].notna().all() and (goodput["save_s"] > 0).all()
+    assert 0 < goodput.attrs["ettr"] < 1
+
+
+def assert_one_tracker_run(run_dir: Path, attempts: int) -> None:
+    """One MLflow run for the training run, with every step of metrics.jsonl once; one W&B run id for every
+    attempt, the last one logging from where it resumed (a preempted attempt's W&B lines die with W&B's
+    service process at Slurm's SIGTERM: taehv_slurm/trainer/trackers.py)."""
+    from mlflow import MlflowClient  # the trackers extra: installed by scripts/setup.sh
+
+    logged = [row["step"] for row in metrics(run_dir) if "loss" in row]
+    ids = json.loads((run_dir / "trackers.json").read_text())
+    folders = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert [f.name.rsplit("-", 1)[1] for f in folders] == [ids["wandb"]] * attempts
+    resumed = [e["step"] for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+               if e["event"] == "start"][-1]
+    ((last_id, last_steps),) = offline_runs(run_dir)[-1:]
+    assert last_id == ids["wandb"] and last_steps == [s for s in logged if s > resumed], last_steps
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the trainer reads its default store
+        client = MlflowClient(ids["mlflow_tracking_uri"])
+        (experiment,) = [e for e in client.search_experiments() if e.name == "taehv"]
+        (run,) = client.search_runs([experiment.experiment_id])
+        history = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert run.info.run_id == ids["mlflow"] and run.info.status == "FINISHED"
+    assert history == logged
+    assert run.data.params["steps"] == str(logged[-1]) and "optim.lr" in run.data.params  # the config
 
 
 def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -> None:
@@ -120,7 +160,7 @@ def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -
 
 def test_crash_loop_stops_with_a_reason(tmp_path: Path) -> None:
     cluster = make_cluster(tmp_path, nodes=1, gpus_per_node=1, max_requeues_without_progress=2)
-    handle = submit(CrashAfterStart(), cluster, "crashing")
+    handle = submit(CrashAfterStart(varying=True), cluster, "crashing")
     assert wait_done(handle.job_id, 600) == "FAILED", handle.tail(60)
     assert len(events(handle, "start")) == 3  # the first run and two requeues without progress
     assert (handle.stop_reason

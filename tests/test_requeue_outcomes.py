@@ -17,7 +17,8 @@ without its warning is tested beside the time-limit test in tests/test_requeue.p
   no progress;
 - `busy`: a second job for a run with a live job is refused by submit() and, when started anyway, by
   the run folder's lock; --force cancels (it saves) and takes over from the saved step;
-- `damaged`: a newest checkpoint cut short is moved aside and the run resumes from the one before;
+- `damaged`: an overwritten newest checkpoint (same size) is found by its checksum, moved aside once
+  (rank 0 decides for both ranks) and the run resumes from the one before;
 - an executor folder made like `mktemp -d` (inside the sticky /tmp) runs.
 """
 
@@ -256,23 +257,31 @@ def test_one_live_job_per_run(cases: Cases) -> None:
     subprocess.run(["scancel", forced.job_id], check=True)
 
 
-def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(cases: Cases) -> None:
+def test_an_overwritten_checkpoint_is_found_once_and_the_run_resumes_before_it(cases: Cases) -> None:
     from taehv_slurm.training import submit_training
 
-    cluster = make_cluster(cases.job_dir, nodes=1, gpus_per_node=1, time_min=10)
+    cluster = make_cluster(cases.job_dir, nodes=1, gpus_per_node=2, time_min=10)  # two ranks resume it
     steady = {"intervals.log_every": 1, "intervals.ckpt_every": 2, "intervals.keep_checkpoints": 3}
     first = submit_training(cluster, tiny_train(steps=6, **steady), "damaged")[0]
     assert wait_done(first.job_id, 300) == "COMPLETED", first.tail(40)
     newest = Path(first.run_dir) / "checkpoints" / "step_00000006" / "state.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])  # cut short
+    size = newest.stat().st_size
+    with open(newest, "r+b") as f:  # 4 KiB of random bytes in the middle: same size, still a zip file
+        f.seek(size // 2)
+        f.write(os.urandom(4096))
+    assert newest.stat().st_size == size
     again = submit_training(cluster, tiny_train(steps=8, **steady), "damaged")[0]
     assert wait_done(again.job_id, 300) == "COMPLETED", again.tail(40)
     log = again.tail(200)
-    assert "checkpoint step 6 is damaged" in log and "resuming from step 4" in log
+    assert ("checkpoint step 6 is damaged (state.pt does not match its checksum (overwritten since it was "
+            "saved))" in log and "resuming from step 4" in log), log
     assert "resumed from step 4" in log
     aside = list((Path(first.run_dir) / "checkpoints").glob("step_00000006.damaged-*"))
-    assert len(aside) == 1 and (aside[0] / "state.pt").stat().st_size == 1000  # kept, never deleted
+    assert len(aside) == 1 and (aside[0] / "state.pt").stat().st_size == size  # kept, never deleted
+    (damaged,) = events(again, "checkpoint_damaged")  # decided once, by rank 0, for both ranks
+    assert "checkpoint step 6 is damaged" in damaged["detail"]
     assert events(again, "start")[-1]["step"] == 4
+    assert not [e for e in events(again) if e["event"] in ("failure", "killed")]
 
 
 def test_an_executor_folder_made_by_mktemp_runs(cases: Cases) -> None:

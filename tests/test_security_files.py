@@ -62,8 +62,15 @@ shared = make_private_dir(base / "shared" / "run", group)
 out["group"] = [[m(p), os.stat(p).st_gid] for p in (base / "shared", shared)]
 (base / "loose").mkdir()
 os.chmod(base / "loose", 0o777)
-make_private_dir(base / "loose")
-out["tightened"] = m(base / "loose")
+try:  # files another user put there first would be read: refused, not silently tightened
+    make_private_dir(base / "loose")
+    out["loose"] = None
+except UnsafePathError as err:
+    out["loose"] = str(err)
+out["loose_mode"] = m(base / "loose")
+(base / "mine").mkdir(mode=0o755)
+make_private_dir(base / "mine")
+out["tightened"] = m(base / "mine")
 write_private(base / "private" / "note", "x")
 out["file"] = m(base / "private" / "note")
 for name, call in {"foreign": lambda: make_private_dir(foreign),
@@ -88,6 +95,8 @@ def test_folder_modes_as_documented(user: User) -> None:
     assert out["private"] == [0o700] * 3  # parents it creates too
     assert out["group"] == [[0o2750, user.gid]] * 2  # 0750 + setgid: new files keep the group
     assert out["tightened"] == 0o700 and out["file"] == 0o600
+    assert one_line(out["loose"]).startswith(f"{base / 'loose'} can be written by every user (mode 0777): ")
+    assert out["loose_mode"] == 0o777  # untouched
     assert one_line(out["foreign"]).startswith(f"cannot make {foreign} private: "
                                                "it belongs to root (uid 0), not to you")
     assert mode(foreign) == 0o755  # untouched
@@ -326,6 +335,11 @@ def test_checkpoints_load_weights_only_with_our_own_message(tmp_path: Path) -> N
     assert json.loads((folder / "meta.json").read_text())["config"] == {"lr": 1e-4}  # non-tensor state: JSON
     marker = tmp_path / "code-ran"
     torch.save({"w": torch.ones(3), "payload": _RunsCode(marker)}, folder / "state.pt")
+    # Whoever can write state.pt can write meta.json too: the checksum finds accidents, not attacks
+    meta = json.loads((folder / "meta.json").read_text())
+    planted = (folder / "state.pt").read_bytes()
+    meta["files"]["state.pt"] = {"bytes": len(planted), "sha256": hashlib.sha256(planted).hexdigest()}
+    (folder / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError) as err:
         ck.load(7)
     message = one_line(str(err.value))
@@ -338,8 +352,9 @@ def test_checkpoints_load_weights_only_with_our_own_message(tmp_path: Path) -> N
         (folder / "state.pt").write_bytes(damage)
         with pytest.raises(CheckpointError) as err:
             ck.load(7)
-        assert ("weights_only" not in str(err.value)
-                and "state.pt is damaged or not a torch checkpoint" in one_line(str(err.value)))
+        message = one_line(str(err.value))  # the recorded size finds each before torch reads it
+        assert "weights_only" not in message
+        assert f"state.pt has {len(damage)} bytes, {len(planted)} were written" in message
     # Resuming moves the unloadable checkpoint aside (never runs it, never deletes it)
     assert ck.load_latest() is None and not marker.exists()
     assert ([p.name.split(".")[0] for p in (tmp_path / "ck").iterdir() if ".damaged-" in p.name]

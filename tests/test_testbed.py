@@ -44,7 +44,7 @@ def test_sinfo_lists_every_node_idle_with_8_gpus_and_16_cpus(slurm_cluster: Test
         return rows if settled else None
 
     rows = wait_for(nodes, 30, "every node without jobs to be idle")
-    assert sorted(rows) == slurm_cluster.node_names == ["tb1", "tb2"]
+    assert sorted(rows) == slurm_cluster.node_names == ["tb1", "tb2", "tb3"]
     for name, (state, gres, cpus, _) in rows.items():
         assert state in ("idle", "mix", "alloc"), f"{name} is {state}"
         assert (gres, cpus) == ("gpu:8", "16"), name

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from pathlib import Path
 
-from tests.helpers import cli, in_terminal
+from tests.helpers import LOCAL_JOB_ID, cli, in_terminal
 
 
 def test_live_bar_summary_and_resubmitting_a_finished_run(tmp_path: Path) -> None:
@@ -18,7 +19,7 @@ def test_live_bar_summary_and_resubmitting_a_finished_run(tmp_path: Path) -> Non
             "--set", "steps=24", "--set", "intervals.log_every=2", "--set", "intervals.val_every=12"]
     code, shown = in_terminal(argv, tmp_path)
     assert code == 0, shown[-3000:]
-    bars = re.findall(r"\r\x1b\[2K(job \d+ RUNNING [^\r\n]*)", shown)
+    bars = re.findall(rf"\r\x1b\[2K(job {LOCAL_JOB_ID} RUNNING [^\r\n]*)", shown)
     assert bars, shown[-3000:]
     drawn = bars[-1]  # the bar as last drawn while the job ran
     assert re.search(r"\[#+-*\] \d+/24", drawn) and "clips/s" in drawn and "ETA " in drawn, drawn
@@ -52,19 +53,24 @@ def test_local_sweep_follows_every_run_and_fails_if_one_does(tmp_path: Path) -> 
     assert len(table) == 3
     assert "COMPLETED" in table[1] and "4/4" in table[1] and "None" in table[1]
     assert "FAILED" in table[2] and "missing.pth" in table[2]
-    assert re.search(r"error: sw/init_from=missing\.pth \(job \d+\) ended FAILED: FileNotFoundError",
+    assert re.search(rf"error: sw/init_from=missing\.pth \(job {LOCAL_JOB_ID}\) ended FAILED: "
+                     "FileNotFoundError",
                      done.stderr), done.stderr
     # The CLI returned only once every run had ended.
-    for job_id in re.findall(r"submitted job (\d+)", done.stdout):
+    job_ids = re.findall(rf"submitted job ({LOCAL_JOB_ID})", done.stdout)
+    for job_id in job_ids:
         state = json.loads(next((tmp_path / "runs" / "sw" / "submitit").glob(f"{job_id}_local.json"))
                            .read_text())
         assert state["state"] in ("COMPLETED", "FAILED")
+    # Local ids never repeat: a pid is reused, but not with the same start second.
+    assert len(set(job_ids)) == 2
+    assert all(abs(int(job_id.split("-")[1], 36) - time.time()) < 900 for job_id in job_ids), job_ids
 
 
 def test_sweep_dry_run_prints_the_job_array_script(tmp_path: Path) -> None:
     done = cli("jobs.submit", "--nodes", "2", "--sweep", "optim.lr=1e-4,2e-4,4e-4", "--max-parallel", "2",
-               "--name", "lrs", "--dry-run", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
+               "--name", "lrs", "--dry-run", "--skip-data-checks", cwd=tmp_path)  # the script, not the data
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr
     out = done.stdout
     assert "#SBATCH --array=0-2%2" in out and "#SBATCH --nodes=2" in out
     assert "%A_%a_0_log.out" in out and "%A_%a_%t_log.out" in out

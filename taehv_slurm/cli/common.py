@@ -10,6 +10,7 @@ import argparse
 import functools
 import os
 import sys
+import warnings
 from collections.abc import Callable
 
 from taehv_slurm.config import ClusterConfig, load_cluster
@@ -75,6 +76,7 @@ def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        from taehv_slurm.checks import ChecksFailedError
         from taehv_slurm.config import ConfigError
         from taehv_slurm.executor import SubmissionError
         from taehv_slurm.picklecheck import UnpicklableTaskError
@@ -84,8 +86,13 @@ def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None
         from taehv_slurm.security import UnsafePathError
         from taehv_slurm.submission import RunBusyError
 
+        warnings.showwarning = _one_line_warning
         try:
             return main(*args, **kwargs)
+        except ChecksFailedError as err:  # every problem of the submit, one line each
+            for problem in err.problems:
+                print(f"error: {problem}", file=sys.stderr)
+            return 2
         except (ConfigError, DistributedSetupError, SubmissionError, UnknownJobError, UnsafePathError,
                 CheckpointError, FileNotFoundError, UnpicklableTaskError, RunBusyError) as err:
             print(f"error: {err}", file=sys.stderr)
@@ -103,3 +110,7 @@ def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None
             return 130
 
     return wrapper
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr)

@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"exported step {done.step} ({done.tensors} tensors, {done.parameters / 1e6:.2f} M parameters, "
           f"{done.dtype}) "
           f"to {done.weights}\nsidecar (config, step, sha256): {done.sidecar}")
+    if done.published_shape:
+        print("loads in the published taehv.py (the published model shape) or with "
+              "taehv_slurm.trainer.model.load_published_weights")
+    else:
+        print("the model shape differs from the published TAEHV's (model.* in the sidecar): load it with "
+              "taehv_slurm.trainer.model.load_published_weights, not the published taehv.py")
     return 0
 
 

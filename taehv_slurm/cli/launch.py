@@ -142,7 +142,8 @@ def launch_node(args: argparse.Namespace, argv: list[str]) -> int:
 
 def run_rank(args: argparse.Namespace) -> int:
     """Run the task in this process (one rank): started by this launcher or by torchrun."""
-    from taehv_slurm.runtime.requeue import RequeueableTask, StopRequested, TaskFailedError
+    from taehv_slurm.runtime.requeue import StopRequested, TaskFailedError
+    from taehv_slurm.submission import requeueable_task
 
     env = DistEnv.from_environ()
     base, train = read_configs(args)
@@ -159,10 +160,8 @@ def run_rank(args: argparse.Namespace) -> int:
         return 0 if facts["sum"] == facts["expected_sum"] else 1
     # No requeue on failure: on a platform the platform restarts the node, so a failed rank must exit
     # non-zero (the launcher then stops the node) rather than requeue itself and exit 0 as on Slurm.
-    wrapped = RequeueableTask(make_task(args.task, cluster, train), run_dir, cluster.max_requeues,
-                              cluster.max_requeues_without_progress, requeue_on_failure=False,
-                              signal_delay_s=cluster.signal_delay_s, kill_wait_s=cluster.kill_wait_s,
-                              backend=PlatformBackend())
+    wrapped = requeueable_task(make_task(args.task, cluster, train), run_dir, cluster, PlatformBackend(),
+                               requeue_on_failure=False)
     try:
         result = wrapped()
     except StopRequested as err:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from taehv_slurm.checks import Row, table
 from taehv_slurm.cli.common import (
     DEFAULT_CLUSTER,
     DEFAULT_TRAIN,
@@ -23,7 +24,7 @@ from taehv_slurm.cli.common import (
 )
 from taehv_slurm.config import ConfigError, split_overrides
 from taehv_slurm.messages import command
-from taehv_slurm.preflight import Preflight, PreflightOptions, Row, table
+from taehv_slurm.preflight import Preflight, PreflightOptions
 from taehv_slurm.typed_yaml import parse_set_args
 
 
@@ -55,13 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.nodes < 1:
         raise ConfigError(f"--nodes must be ≥ 1, got {args.nodes}")
-    from taehv_slurm.trainer.checks import check_dataset
-
     options = PreflightOptions(job=args.job,
                                bandwidth_mib=tuple(int(s) for s in args.bandwidth_mib.split(",")
                                                    if s.strip()),
                                min_bus_gbps=args.min_bus_gbps, job_timeout_s=args.job_timeout_s,
-                               sample_clips=args.sample_clips, dataset_check=check_dataset,
+                               sample_clips=args.sample_clips,
                                origins=flag_origins(args))
     try:
         cluster_over, train_over = split_overrides(parse_set_args(args.set))

@@ -67,12 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--time-min", type=int, help="time limit in minutes (the job requeues itself past it)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a cluster key, e.g. --set qos=high")
-    g.add_argument("--batch", type=int, default=4,
-                   help="clips per teacher call (default 4; see bench/prepare_throughput.py)")
+    g.add_argument("--batch", type=int, default=2,
+                   help="clips per teacher call (default 2: as fast as 4 compiled, half the memory; "
+                        "docs/benchmarks.md)")
     g.add_argument("--workers", type=int,
                    help="decoding processes per rank (default: cpus_per_task − 1 on GPUs, 0 on CPU)")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile the teacher's encoder (GPU; pays on long runs)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile the teacher's encoder on GPUs (default on: 1.5x eager; compiled once "
+                        "into the job folder's compile cache, reused by every shard job and requeue)")
     g.add_argument("--name",
                    help="run folder name under the cluster's job_dir (default prepare-<out>-<time>)")
     g.add_argument("--dry-run", action="store_true",

@@ -2,10 +2,13 @@
 
     taehv status [JOB ... | --all] [--job-dir runs] [--format table|csv|json]
     taehv status JOB --accounting [--format csv]     # sacct: one row per run attempt
+    taehv status JOB --goodput [--format json]       # goodput: one row per attempt, ETTR
 
 Without a job id: the last 20 runs of the job_dir's registry (every run with --all). The job_dir
 defaults to $TAEHV_JOB_DIR, else `runs`. --accounting shows each attempt (the first run and every
-requeue): state, exit code, elapsed, nodes, GPUs, max RSS.
+requeue): state, exit code, elapsed, nodes, GPUs, max RSS. --goodput shows each attempt's allocated
+node-seconds, time to first step, steps kept, work lost, time in saves and ETTR (productive /
+allocated).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+import pandas as pd
 
 from taehv_slurm.cli.common import add_job_dir, one_line_errors
 from taehv_slurm.handle import JobHandle
@@ -32,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--all", action="store_true", help="every run in the registry (default: the last 20)")
     p.add_argument("--accounting", action="store_true",
                    help="Slurm's accounting (sacct) of the runs, one row per attempt")
+    p.add_argument("--goodput", action="store_true",
+                   help="each attempt's goodput: allocated, time to first step, kept, lost, saves, ETTR")
     p.add_argument("--format", choices=["table", "csv", "json"], default="table",
                    help="output format (default table)")
     add_job_dir(p)
@@ -43,7 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     if not handles:
         print(f"no runs in {os.path.join(args.job_dir, 'registry.jsonl')} yet")
         return 0
-    frame = accounting_frame(handles) if args.accounting else status_frame(handles)
+    if args.goodput:
+        frame = pd.concat([h.goodput().assign(job_id=h.job_id, run=h.name) for h in handles],
+                          ignore_index=True)
+    else:
+        frame = accounting_frame(handles) if args.accounting else status_frame(handles)
     if args.accounting and frame.empty and args.format == "table":
         print("no accounting for these runs: local runs have none, and on Slurm it needs slurmdbd "
               "(sacct: 'Slurm accounting storage is disabled' means the cluster keeps none)")

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from taehv_slurm.backends import backend_named
+from taehv_slurm.checks import Row, machine_rows, require_passing, table
 from taehv_slurm.cli import watch
 from taehv_slurm.cli.common import (
     DEFAULT_CLUSTER,
@@ -34,9 +35,9 @@ from taehv_slurm.plan import ScalePlan, plan_for_cluster
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.security import describe_secret_env
 from taehv_slurm.slurm import is_success
-from taehv_slurm.submission import check_job_dir, submit
+from taehv_slurm.submission import check_job_dir, check_run_name, submit
 from taehv_slurm.sweep import point_name, sweep_grid, sweep_trains
-from taehv_slurm.training import RunCompleteError, submit_training
+from taehv_slurm.training import RunCompleteError, submit_training, training_checks
 from taehv_slurm.typed_yaml import parse_set_args
 
 
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true",
                    help="run here with the local backend (no Slurm) and follow it")
     p.add_argument("--follow", action="store_true", help="stream rank 0's log until the job ends")
+    p.add_argument("--skip-data-checks", action="store_true",
+                   help="do not read the data before submitting (a login node that cannot see it; the job "
+                        "still checks at start-up); the same as --set check_data_on_submit=false")
     p.add_argument("--force", action="store_true",
                    help="the run name has a live job: cancel it (it saves at the signal), wait, then submit")
     return p
@@ -84,15 +88,26 @@ def main(argv: list[str] | None = None) -> int:
     plans = [plan_for_cluster(cluster, t) for t in trains] if args.task == "train" else []
     run_name = args.name or (f"{train.name if args.task == 'train' else 'smoke'}-"
                              f"{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.task == "train":
+        checks = training_checks(cluster, trains, plans, run_name, sweep, data=False if args.skip_data_checks
+                                 else None)
+    else:
+        check_run_name(run_name)
+        checks = machine_rows(cluster)
     if args.dry_run:
-        return dry_run(cluster, trains, sweep, plans, run_name)
+        return dry_run(cluster, trains, sweep, plans, run_name, checks)
+    require_passing(checks)
+    for row in checks:  # what the user should know before the job waits in the queue
+        if row.result == "WARN" or row.check == "changed":
+            print(f"{row.check}: {row.detail}")
     if args.task == "smoke":
         task = SmokeTask(backend=cluster.dist_backend, rendezvous_timeout_s=cluster.rendezvous_timeout_s)
         handles = [submit(task, cluster, run_name, requeueable=False, record={"task_kind": "smoke"},
                           force=args.force)]
     else:
         try:
-            handles = submit_training(cluster, trains, run_name, sweep, force=args.force, plans=plans)
+            handles = submit_training(cluster, trains, run_name, sweep, force=args.force, plans=plans,
+                                      checks=checks)
         except RunCompleteError as done:
             print(done)
             return 0
@@ -112,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict], plans: list[ScalePlan],
-            run_name: str) -> int:
-    """Print the job, the plan of every run and the sbatch script; submit nothing."""
+            run_name: str, checks: list[Row]) -> int:
+    """Print the job, the plan of every run, the sbatch script and the submit-time checks; submit nothing.
+    Exit 2 when a check FAILs (the submit would refuse)."""
     check_job_dir(cluster.job_dir)
     run_dir = Path(cluster.job_dir) / run_name
     where = f"partition {cluster.partition}" if cluster.partition else "default partition"
@@ -132,6 +148,13 @@ def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict]
         env = plans[0].nccl_env if plans else {}
         script = sbatch_preview(cluster, run_dir / "submitit", env, run_dir, array_size=len(trains))
         print(f"\nsbatch script ({run_dir}/submitit/):\n{script}")
+    if checks:
+        print(f"\nchecks:\n{table(checks)}")
+    failed = [r.check for r in checks if r.result == "FAIL"]
+    if failed:
+        print(f"a submit would be refused: check{'s' if len(set(failed)) > 1 else ''} "
+              f"{', '.join(dict.fromkeys(failed))} failed (nothing was submitted)")
+        return 2
     return 0
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from taehv_slurm.goodput import summary as goodput_summary
 from taehv_slurm.handle import JobHandle, LogFollower
 from taehv_slurm.messages import command
 from taehv_slurm.runtime.checkpoint import Checkpointer
@@ -60,26 +61,31 @@ class MetricsTail:
 
 
 def progress_line(handle: JobHandle, state: str, tail: MetricsTail, requeues: int, width: int = 120) -> str:
-    """'job 123 RUNNING [######----] 120/400 · 35.2 clips/s · ETA 1:05 · loss 0.0123 · psnr 21.3 dB'."""
+    """'job 123 RUNNING [######----] 120/400 · 35.2 clips/s · ETA 1:05 · loss 0.0123 · psnr 21.3 dB'.
+    Fitted to `width`: the bar narrows, then the rate, the ETA and the bar go, before loss and PSNR do."""
     total, row = handle.total_steps, tail.train or {}
     step = int(row.get("step", 0))
-    parts = [f"job {handle.job_id} {state}"]
+    eta, rate = _eta_s(tail, total), row.get("samples_per_second")
+    # (text, the order in which it goes when the line is too wide: higher first; 0 stays)
+    fields: list[tuple[str, int]] = [(f"job {handle.job_id} {state}", 0)]
     if total:
-        filled = int(20 * min(step, total) / total)
-        parts.append(f"[{'#' * filled}{'-' * (20 - filled)}] {step}/{total}")
-    rate = row.get("samples_per_second")
-    if rate:
-        parts.append(f"{rate:.1f} clips/s")
-    eta = _eta_s(tail, total)
-    if eta is not None:
-        parts.append(f"ETA {_clock(eta)}")
-    if "loss" in row:
-        parts.append(f"loss {row['loss']:.4g}")
-    if row.get("psnr") is not None:
-        parts.append(f"psnr {row['psnr']:.1f} dB")
-    if requeues:
-        parts.append(f"requeued {requeues}×")
-    return " · ".join(parts)[:width]
+        fields.append((f"{step}/{total}", 0))
+    fields += [(f"{rate:.1f} clips/s", 4)] if rate else []
+    fields += [(f"ETA {_clock(eta)}", 3)] if eta is not None else []
+    fields += [(f"loss {row['loss']:.4g}", 1)] if "loss" in row else []
+    fields += [(f"psnr {row['psnr']:.1f} dB", 1)] if row.get("psnr") is not None else []
+    fields += [(f"requeued {requeues}×", 2)] if requeues else []
+    line = ""
+    # (bar cells, drop fields of this rank and above), tried in turn until the line fits
+    for cells, drop in ((20, 99), (10, 99), (10, 4), (10, 3), (0, 3), (0, 2), (0, 1)):
+        kept = [text for text, rank in fields if rank < drop]
+        if total and cells:
+            filled = int(cells * min(step, total) / total)
+            kept[1] = f"[{'#' * filled}{'-' * (cells - filled)}] {kept[1]}"
+        line = " · ".join(kept)
+        if len(line) <= width:
+            return line
+    return line[:width]
 
 
 def _eta_s(tail: MetricsTail, total: int | None) -> float | None:
@@ -138,9 +144,9 @@ def follow_to_the_end(handle: JobHandle, stop_on_interrupt: bool, out: TextIO | 
     def run() -> str:
         if live is None:
             return follower.run(out)
-        width = shutil.get_terminal_size().columns - 1
         while True:
             state = follower.step(live)  # type: ignore[arg-type]  # write() and flush() are all it uses
+            width = shutil.get_terminal_size().columns - 1  # each time: the terminal may have been resized
             live.draw(progress_line(handle, state, tail.poll(), len(handle.interruptions()), width))
             if is_final(state):
                 live.close()
@@ -242,6 +248,8 @@ def summary_lines(handle: JobHandle) -> list[str]:
     requeues = len(handle.interruptions())
     lines.append(f"steps: {train.get('step', '-')}/{handle.total_steps or '?'}{wall}{rate}, "
                  f"requeued {requeues}×")
+    if "train" in handle.record:
+        lines.append(goodput_summary(handle.goodput()))
     run = handle.run_dir
     latest = Checkpointer(run / "checkpoints").latest_step()
     if latest is not None:

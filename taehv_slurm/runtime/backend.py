@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,8 +48,9 @@ class RankBackend:
         """After every rank saved at a signal (rank 0, before `deadline`): what happens to the job."""
         return Outcome("exited_for_restart", {"reason": reason})
 
-    def requeue_after_failure(self, job_id: str) -> Outcome:
-        """A rank crashed mid-training: requeue the job, or say why not (requeue_failed)."""
+    def requeue_after_failure(self, job_id: str, exclude: Sequence[str] = ()) -> Outcome:
+        """A rank crashed mid-training: requeue the job (without the `exclude` nodes where the backend can
+        leave nodes out), or say why not (requeue_failed)."""
         return Outcome("requeue_failed", {"error": f"the {self.name} backend cannot requeue a job",
                                           "fix": "submit the run again with the same name to resume"})
 

@@ -17,6 +17,7 @@ name), so a run resumes at any world size and with any engine.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -107,10 +108,12 @@ class Checkpointer:
             make_private_dir(self.directory, self.group)
             make_private_dir(tmp, self.group)
             with open(tmp / "state.pt", "wb") as f:
-                torch.save(dict(state), f)
+                hashed = _HashingWriter(f)
+                torch.save(dict(state), hashed)
                 f.flush()
                 os.fsync(f.fileno())
-            meta = {"format": 1, "step": step, "saved_at": time.time(), **meta}
+            files = {"state.pt": {"bytes": hashed.bytes, "sha256": hashed.sha256.hexdigest()}}
+            meta = {**meta, "format": 1, "step": step, "saved_at": time.time(), "files": files}
             with open(tmp / "meta.json", "w") as f:
                 json.dump(meta, f, indent=1, default=str)
                 f.flush()
@@ -214,6 +217,11 @@ class Checkpointer:
             raise CheckpointError(f"cannot load checkpoint {folder}: meta.json is damaged; "
                                   "delete that folder to "
                                   "resume from an older one", cause="meta.json is damaged") from None
+        # Checkpoints written before 0.2 have no checksums: they load as before.
+        for name, expected in (meta.get("files") or {}).items():
+            if (problem := _mismatch(folder / name, expected)) is not None:
+                raise CheckpointError(f"cannot load checkpoint {folder}: {problem}; delete that folder to "
+                                      "resume from an older one (it was not loaded)", cause=problem)
         try:
             state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
         except Exception as err:
@@ -223,6 +231,53 @@ class Checkpointer:
                                   "delete that folder to resume from an "
                                   "older one (it was not loaded)", cause=cause) from None
         return step, state, meta
+
+
+class _HashingWriter:
+    """A file that hashes what torch.save writes through it (no second read of a ~135 MB file)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.sha256, self.bytes = file, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha256.update(view)
+        self.bytes += view.nbytes
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _mismatch(path: Path, expected: Mapping[str, Any]) -> str | None:
+    """Why `path` is not the file its checksum describes (None when it is)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{path.name} is missing"
+    if size != expected.get("bytes"):
+        return (f"{path.name} has {size} bytes, {expected.get('bytes')} were written "
+                "(cut short or overwritten)")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    if digest.hexdigest() != expected.get("sha256"):
+        return f"{path.name} does not match its checksum (overwritten since it was saved)"
+    return None
+
+
+def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
+    """Names of the tensors in `tensors` (nested dicts of tensors) that hold a NaN or an infinity."""
+    import torch
+
+    found = []
+    for name, value in tensors.items():
+        if isinstance(value, Mapping):
+            found += [f"{name}.{inner}" for inner in nonfinite_tensors(value)]
+        elif torch.is_tensor(value) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            found.append(name)
+    return found
 
 
 def _load_failure(err: BaseException) -> str:

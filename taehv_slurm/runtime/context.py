@@ -22,15 +22,20 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from taehv_slurm.messages import command
 from taehv_slurm.runtime.backend import RankBackend
 from taehv_slurm.runtime.distenv import DistEnv
+from taehv_slurm.runtime.provenance import record_attempt
+from taehv_slurm.runtime.ranks import node_name
 from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.security import make_private_dir
+
+if TYPE_CHECKING:
+    from taehv_slurm.runtime.watchdog import Watchdog
 
 REQUEUE_FAILED_EXIT_CODE = 3  # saved, but the job could not be requeued: the job must end FAILED
 SETTLE_MARGIN_S = 3.0  # of a signal's grace, kept for recording the outcome and exiting
@@ -43,6 +48,11 @@ def grace_seconds(signal_delay_s: float, kill_wait_s: float) -> dict[str, float]
     time-limit warning leaves `signal_delay_s` (minus a margin for the requeue itself), SIGTERM leaves
     the site's KillWait (minus a margin for the exit)."""
     return {"timeout": max(10.0, signal_delay_s - 10.0), "preempted": max(5.0, kill_wait_s - 5.0)}
+
+
+class FatalTaskError(RuntimeError):
+    """Raised by a task (on every rank alike) for a failure a restart would only repeat — a diverged run, an
+    input the task refuses: rank 0 records it, the job ends FAILED with this one line, nothing requeues."""
 
 
 class RequeueExit(SystemExit):
@@ -151,8 +161,9 @@ class RunContext:
     the events file, and the one call it makes at every step boundary."""
 
     def __init__(self, run_dir: Path, env: DistEnv, stop: StopFlag, segment: int,
-                 backend: RankBackend) -> None:
+                 backend: RankBackend, watchdog: Watchdog | None = None) -> None:
         self.run_dir = run_dir
+        self.watchdog = watchdog
         self.env = env
         self.stop = stop
         self.segment = segment
@@ -160,7 +171,7 @@ class RunContext:
         self.events = EventLog(run_dir / "events.jsonl")
         self._agreement = _FlagAgreement()
         self.start_step: int | None = None
-        self.start_time = time.time()
+        self.start_time = self.began = time.time()
         self.step = 0
 
     @classmethod
@@ -169,14 +180,37 @@ class RunContext:
         return cls(make_private_dir(run_dir), DistEnv.from_environ(), StopFlag(grace_seconds(70, 30)), 0,
                    RankBackend())
 
-    def started(self, step: int, **info: Any) -> None:
-        """Call once the state is loaded (all ranks): marks the segment's start step."""
+    def started(self, step: int, config: Mapping[str, Any] | None = None, **info: Any) -> None:
+        """Call once the state is loaded (all ranks): marks the segment's start step. `config`: the task's
+        resolved configuration, recorded with the code and versions of this attempt (provenance)."""
         self.start_step = self.step = step
         self.start_time = time.time()
+        self.began = float(os.environ.get("TAEHV_STARTED_AT") or self.start_time)  # set by the entry point
         if self.env.rank == 0:
             self.events.write("start", segment=self.segment, step=step, job_id=self.env.job_id,
                               restart_count=self.env.restart_count, world_size=self.env.world_size,
-                              host=socket.gethostname(), **info)
+                              host=node_name(), began=self.began, **info)
+            with contextlib.suppress(OSError):  # a record, never a reason for the attempt to fail
+                record_attempt(self.run_dir, self.env.job_id, self.env.restart_count, self.segment, step,
+                               config)
+        if self.watchdog is not None:
+            self.watchdog.enter("step", step)
+            self.watchdog.rank_file.write()  # the step it resumed from, for anyone who finds it dead
+
+    def enter(self, section: str, step: int | None = None) -> None:
+        """The task now does `section` (startup, step, data, validate, save, ...): its watchdog times each
+        section against what it has seen of it, and a hang names the section a rank was stuck in."""
+        if self.watchdog is not None:
+            self.watchdog.enter(section, step)
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """`with ctx.section("validate"): ...` — `enter(name)`, and back to the step afterwards."""
+        self.enter(name)
+        try:
+            yield
+        finally:
+            self.enter("step")
 
     def step_boundary(self, step: int, save: Callable[[], int | None], device: Any = None) -> None:
         """Call at every step boundary (all ranks; `device`: where the collective runs, e.g. the GPU).
@@ -184,7 +218,11 @@ class RunContext:
         Returns at once unless a signal reached any rank; then every rank calls `save()` for `step`
         (it may return the step it actually saved), rank 0 settles and records what happens to the
         job, and every rank exits (RequeueExit)."""
+        if self.env.rank == 0 and self.start_step is not None and step == self.start_step + 1:
+            self.events.write("first_step", segment=self.segment, step=step, job_id=self.env.job_id,
+                              seconds=round(time.time() - self.began, 3))  # start-up, restore and compilation
         self.step = step
+        self.enter("step", step)
         reason = self.should_stop(device)
         if reason:
             saved = save()

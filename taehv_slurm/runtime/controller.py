@@ -1,7 +1,8 @@
 """The local backend's controller: a job's ranks as processes on this machine, ending in Slurm's states.
 
 The controller (`python -m taehv_slurm.runtime.controller FOLDER`, one per job, started by
-`taehv_slurm.executor.LocalExecutor`; its pid is the job id) runs the ranks under a `Supervisor` and
+`taehv_slurm.executor.LocalExecutor`; its pid and start second make the job id) runs the ranks under a
+`Supervisor` and
 behaves as Slurm does, so a run behaves the same here as on a cluster:
 
 - a rank that raises ends the job FAILED (the others are stopped at once) and the controller exits 1;
@@ -23,6 +24,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +45,26 @@ def state_path(folder: str | os.PathLike, job_id: str) -> Path:
     return Path(folder) / f"{job_id}_local.json"
 
 
+def local_job_id(pid: int, started: str) -> str:
+    """'48213-sj2k9d': the controller's pid and its start second in base 36. The pid alone wraps and is
+    reused, and a reused id would shadow an older job of the same run folder."""
+    return f"{pid}-{started}"
+
+
+def start_mark(now: float | None = None) -> str:
+    """The start second in base 36 (6 digits until 2039, 7 after: ids never repeat)."""
+    n, digits = int(time.time() if now is None else now), ""
+    while n:
+        n, r = divmod(n, 36)
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + digits
+    return digits or "0"
+
+
+def controller_pid(job_id: str) -> int:
+    """The controller's pid in a local job id (ids of older versions are the bare pid)."""
+    return int(str(job_id).split("-", 1)[0])
+
+
 def job_state(folder: str | os.PathLike, job_id: str) -> dict[str, Any]:
     """{"state": RUNNING | CANCELLING | COMPLETED | FAILED | CANCELLED | TIMEOUT | PENDING, ...} of a local
     job.
@@ -56,10 +78,10 @@ def job_state(folder: str | os.PathLike, job_id: str) -> dict[str, Any]:
         info = {"state": "PENDING"}  # the controller has not written its first state yet
         if not _controller_alive(folder, job_id):
             return {"state": "FAILED",
-                    "error": f"the local controller (pid {job_id}) is gone and left no state"}
+                    "error": f"the local controller of job {job_id} is gone and left no state"}
     if info["state"] in (*ACTIVE_STATES, "PENDING") and not _controller_alive(folder, job_id):
         return {**info, "state": "FAILED",
-                "error": f"the local controller (pid {job_id}) died while the job ran"}
+                "error": f"the local controller of job {job_id} died while the job ran"}
     return info
 
 
@@ -69,7 +91,7 @@ def cancel(folder: str | os.PathLike, job_id: str) -> bool:
     if job_state(folder, job_id)["state"] not in (*ACTIVE_STATES, "PENDING"):
         return False
     with contextlib.suppress(ProcessLookupError):
-        os.kill(int(job_id), signal.SIGTERM)
+        os.kill(controller_pid(job_id), signal.SIGTERM)
         return True
     return False
 
@@ -78,7 +100,7 @@ def _controller_alive(folder: str | os.PathLike, job_id: str) -> bool:
     """The pid is alive AND is the controller of this folder (pids are reused). Right after the start it
     may still be the shell that runs the setup lines and then execs the controller: same pid, same words."""
     try:
-        cmdline = Path(f"/proc/{int(job_id)}/cmdline").read_bytes().replace(b"\0", b" ")
+        cmdline = Path(f"/proc/{controller_pid(job_id)}/cmdline").read_bytes().replace(b"\0", b" ")
     except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
         return False
     return b"taehv_slurm.runtime.controller" in cmdline and str(folder).encode() in cmdline
@@ -92,7 +114,7 @@ class Controller:
 
     def __init__(self, folder: Path, environ: dict[str, str]) -> None:
         self.folder = folder
-        self.job_id = str(os.getpid())
+        self.job_id = local_job_id(os.getpid(), environ["TAEHV_LOCAL_STARTED"])
         self.ntasks = int(environ["SUBMITIT_LOCAL_NTASKS"])
         self.command = shlex.split(environ["SUBMITIT_LOCAL_COMMAND"])
         self.timeout_s = float(environ["SUBMITIT_LOCAL_TIMEOUT_S"])
@@ -130,6 +152,8 @@ class Controller:
         while True:
             outcome = self._run_once()
             restart = outcome.requeue and outcome.failed is None and not self.cancelled
+            if outcome.failed is not None and not self.cancelled:  # as the sbatch script does after srun
+                restart = self._after_ranks(outcome) == LOCAL_REQUEUE_EXIT_CODE
             if restart and self.restarts < self.max_restarts:
                 self.restarts += 1
                 self.write_state("RUNNING")
@@ -151,6 +175,19 @@ class Controller:
         self.write_state(state, exit_codes=codes, error=error, failed_rank=outcome.failed)
         self.say(f"ended {state}" + (f": {error}" if error else ""))
         return 0 if state == "COMPLETED" else 1
+
+    def _after_ranks(self, outcome: Any) -> int:
+        """The entry point once more, with the first failed rank's status (128 + N for signal N), to record
+        what the ranks could not; its exit code is the requeue code when it requeued the job."""
+        code = outcome.exit_codes[outcome.failed]
+        status = 128 - code if code is not None and code < 0 else (code or 1)
+        module = self.command.index("taehv_slurm.runtime.entry") + 1
+        argv = [*self.command[:module], "--after", str(status), *self.command[module:]]
+        environ = {**self.environ, "SUBMITIT_LOCAL_LOCALID": "0", "SUBMITIT_LOCAL_GLOBALID": "0",
+                   "SUBMITIT_LOCAL_JOB_ID": self.job_id, "TAEHV_RESTART_COUNT": str(self.restarts)}
+        with JobPaths(self.folder, self.job_id, 0).stdout.open("a") as log:
+            return subprocess.run(argv, env=environ, stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL).returncode
 
     def _run_once(self):
         paths = [JobPaths(self.folder, self.job_id, k) for k in range(self.ntasks)]

@@ -196,6 +196,15 @@ class DistEnv:
         )
 
 
+def attempt_of_environ(environ: Mapping[str, str] | None = None) -> tuple[str, int]:
+    """(job id, restart count) of the job attempt this process belongs to — also outside its ranks (the
+    sbatch script's own steps, the local controller), where `DistEnv.from_environ` has no rank to read."""
+    env = os.environ if environ is None else environ
+    job_id = env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID") or env.get("TAEHV_JOB_ID") or ""
+    restart = env.get("SLURM_RESTART_COUNT") or env.get("TAEHV_RESTART_COUNT") or "0"
+    return job_id, int(restart)
+
+
 def port_for_job(job_id: str) -> int:
     """A rendezvous port in [PORT_BASE, PORT_BASE + PORT_SPAN) derived from the job id."""
     digits = re.sub(r"\D", "", job_id)

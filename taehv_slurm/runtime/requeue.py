@@ -6,18 +6,24 @@ replays signals that arrived while the task was starting (taehv_slurm.runtime.si
 folder's lock (one job per run), applies the guards, and runs the task with its `RunContext`
 (taehv_slurm.runtime.context: the save at a signal and what happens to the job after it).
 
-Guards, read from the events at each start: at most `max_requeues` restarts, and a run whose last
-restarts all began at the same step stops with a reason (`stopped`). A rank that crashes mid-training
-requeues the job where the backend can (once per restart, by an exclusive claim file), after the same
-guards. The grace each signal gets comes from the cluster config (`grace_seconds`).
+The guards (taehv_slurm.runtime.guards), read from the events at each start and before any requeue:
+the requeue limit, no progress, and a failure that repeats. A rank that crashes mid-training requeues
+the job where the backend can (once per restart, by an exclusive claim file); a task's `FatalTaskError`
+(a diverged run) never requeues. Each rank keeps its record in the run folder
+(taehv_slurm.runtime.ranks), and once every rank has ended, `after_ranks` — run where the ranks were
+started from (the sbatch script after srun, or the local controller) — names the ranks that were killed
+from outside and requeues the job without their nodes. The grace each signal gets comes from the
+cluster config (`grace_seconds`).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -30,11 +36,17 @@ from taehv_slurm.messages import one_line
 from taehv_slurm.runtime import signals
 from taehv_slurm.runtime.backend import RankBackend
 from taehv_slurm.runtime.checkpoint import Checkpointer
-from taehv_slurm.runtime.context import RequeueExit, RunContext, StopFlag, grace_seconds
-from taehv_slurm.runtime.distenv import DistEnv
+from taehv_slurm.runtime.context import FatalTaskError, RequeueExit, RunContext, StopFlag, grace_seconds
+from taehv_slurm.runtime.distenv import DistEnv, attempt_of_environ
+from taehv_slurm.runtime.guards import Guards, is_hardware_fault
+from taehv_slurm.runtime.ranks import RankFile, describe_ranks, killed_ranks, node_name, read_ranks
 from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.runtime.runlock import RunLock
+from taehv_slurm.runtime.watchdog import Verdict, Watchdog, WatchdogSettings
 from taehv_slurm.security import make_private_dir
+
+SIGNAL_NOTES = {signal.SIGKILL: " (often the kernel's out-of-memory killer, or a node being taken away)",
+                signal.SIGBUS: " (a hardware or memory-mapping error on that node)"}
 
 
 class ReportedError(RuntimeError):
@@ -81,20 +93,26 @@ def check_takes_context(task: Callable[..., Any]) -> None:
 class RequeueableTask(submitit.helpers.Checkpointable):
     """Wrap a task `task(ctx: RunContext)` so it saves and requeues on signals (see the module docstring).
 
-    run_dir holds `events.jsonl`, the lock and `checkpoints/` (the task saves there; the guards read it).
+    run_dir holds `events.jsonl`, the lock, the ranks' records and `checkpoints/` (the task saves there;
+    the guards read it). backend: where the job runs (taehv_slurm.backends; `submit()` passes it).
+    exclude_failed_nodes: a node whose rank was killed, hung, or hit a hardware error is left out of the
+    job's next attempts, where the backend can (Slurm's ExcNodeList). watchdog: how every rank's watchdog
+    tells a hang from a slow step (taehv_slurm.runtime.watchdog).
     """
 
     def __init__(self, task: Callable[[RunContext], Any], run_dir: str | os.PathLike, max_requeues: int = 20,
                  max_requeues_without_progress: int = 2, requeue_on_failure: bool = True,
                  signal_delay_s: int = 120, kill_wait_s: int = 30,
-                 backend: RankBackend | None = None) -> None:
+                 backend: RankBackend | None = None, exclude_failed_nodes: bool = True,
+                 watchdog: WatchdogSettings | None = None) -> None:
         check_takes_context(task)
         self.task = task
         self.backend = backend or RankBackend()
         self.run_dir = str(run_dir)
-        self.max_requeues = max_requeues
-        self.max_requeues_without_progress = max_requeues_without_progress
+        self.guards = Guards(max_requeues, max_requeues_without_progress)
         self.requeue_on_failure = requeue_on_failure
+        self.exclude_failed_nodes = exclude_failed_nodes
+        self.watchdog = watchdog or WatchdogSettings()
         self.grace_s = grace_seconds(signal_delay_s, kill_wait_s)
 
     def __call__(self) -> Any:
@@ -106,12 +124,25 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         # launched directly too
         run_dir = make_private_dir(self.run_dir, os.environ.get("TAEHV_SHARED_GROUP") or None)
         env = DistEnv.from_environ()
+        record = RankFile(run_dir, env.job_id, env.restart_count, env.rank, env.world_size)
+        watchdog = Watchdog(run_dir, record, self.watchdog, on_hang=lambda verdict, bundle: None)
+        watchdog.start()
+        try:
+            return self._run(run_dir, env, stop, watchdog)
+        except RequeueExit as leaving:
+            watchdog.stop(int(leaving.code or 0))
+            raise
+        except BaseException:
+            watchdog.stop(1)
+            raise
+
+    def _run(self, run_dir: Path, env: DistEnv, stop: StopFlag, watchdog: Watchdog) -> Any:
         events = EventLog(run_dir / "events.jsonl")
         missing = self.backend.cannot_requeue_reason(socket.gethostname()) if env.rank == 0 else None
         if missing:
             events.write("failure", segment=None, rank=0, step=None,
                          error=f"RequeueImpossibleError: {missing}",
-                         job_id=env.job_id, host=socket.gethostname())
+                         job_id=env.job_id, host=node_name())
             print(f"[taehv] {missing}", flush=True)
             raise RequeueImpossibleError(missing)
         lock = RunLock(run_dir, env.job_id, self.backend)
@@ -120,17 +151,17 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         # read before any rank of this segment writes (rank 0 writes after rendezvous)
         history = events.read()
         segment = sum(1 for e in history if e["event"] == "start")
-        reason = self._refuse_reason(history, run_dir, env.job_id)
+        reason = self.guards.refuse_reason(history, env.job_id, self._saved_step(run_dir))
         if reason:
             if env.rank == 0:
                 events.write("stopped", segment=segment, reason=reason, job_id=env.job_id)
             print(f"[taehv] not starting: {reason}", flush=True)
             raise StopRequested(reason)
-        ctx = RunContext(run_dir, env, stop, segment, self.backend)
+        ctx = RunContext(run_dir, env, stop, segment, self.backend, watchdog)
+        watchdog.on_hang = functools.partial(self._on_hang, ctx)
         if env.rank == 0:
             stop.on_give_up = lambda why: ctx.events.write("failure", segment=segment, rank=0, step=ctx.step,
-                                                           error=why, job_id=env.job_id,
-                                                           host=socket.gethostname())
+                                                           error=why, job_id=env.job_id, host=node_name())
         try:
             result = self.task(ctx)
         except (RequeueExit, ReportedError):
@@ -144,6 +175,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         # run as FAILED; ignored signals stay ignored through shutdown.
         for signum in signals.WATCHED:
             signal.signal(signum, signal.SIG_IGN)
+        watchdog.stop(0)
         if env.rank == 0:
             lock.release()
         return result
@@ -153,39 +185,26 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         # nothing has trained yet, so requeueing the same task loses nothing.
         return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
-    def _refuse_reason(self, history: list[dict[str, Any]], run_dir: Path, job_id: str) -> str | None:
-        mine = [e for e in history if e.get("job_id", job_id) == job_id or e["event"] != "start"]
-        stopped = [e for e in history if e["event"] == "stopped" and e.get("job_id") == job_id]
-        if stopped:
-            return stopped[-1]["reason"]
-        starts = [e for e in mine if e["event"] == "start"]
-        if len(starts) > self.max_requeues:
-            return (f"requeue limit reached: the job started {len(starts)} times "
-                    f"(max_requeues={self.max_requeues})")
-        return self._no_progress_reason(history, job_id,
-                                        Checkpointer(run_dir / "checkpoints").latest_step() or 0)
-
-    def _no_progress_reason(self, history: list[dict[str, Any]], job_id: str, now: int) -> str | None:
-        """Stop when more than `max_requeues_without_progress` segments in a row of this job began at
-        step `now` and ended (failure, timeout, a task that could not save) without a later checkpoint;
-        a segment that Slurm preempted does not count."""
-        stuck = 0
-        for start in reversed([e for e in history if e["event"] == "start" and e.get("job_id") == job_id]):
-            ends = [e for e in history if e.get("segment") == start["segment"] and e["event"] == "requeue"]
-            if start["step"] != now or any(e["reason"] == "preempted" for e in ends):
-                break
-            stuck += 1
-        if stuck <= self.max_requeues_without_progress:
-            return None
-        errors = [e for e in history if e["event"] == "failure"]
-        last = f"; last error: {errors[-1]['error']}" if errors else ""
-        return (f"no progress: {stuck} starts in a row began at step {now} and ended without saving a later "
-                f"step (max_requeues_without_progress={self.max_requeues_without_progress}){last}")
+    @staticmethod
+    def _saved_step(run_dir: Path) -> int:
+        return Checkpointer(run_dir / "checkpoints").latest_step() or 0
 
     def _on_failure(self, ctx: RunContext, err: Exception) -> None:
         error = one_line(err)
+        if isinstance(err, FatalTaskError):  # the same on every rank: rank 0 records it, in one line
+            if ctx.env.rank == 0:
+                ctx.events.write("failure", segment=ctx.segment, rank=0, step=ctx.step, error=error,
+                                 fatal=True, job_id=ctx.env.job_id, host=node_name())
+            print(f"[taehv] rank {ctx.env.rank}: {error}", flush=True)
+            return
+        settled = [e for e in ctx.events.read() if e.get("job_id") == ctx.env.job_id
+                   and e.get("segment") == ctx.segment and e["event"] in ("requeue", "hang", "cancelled")]
+        if settled:  # the job is already being restarted or ended: this failure is its echo (a lost peer)
+            print(f"[taehv] rank {ctx.env.rank}: {error} (after the job's {settled[-1]['event']}: leaving)",
+                  flush=True)
+            raise RequeueExit(self.backend.requeue_exit_code) from None
         ctx.events.write("failure", segment=ctx.segment, rank=ctx.env.rank, step=ctx.step, error=error,
-                         job_id=ctx.env.job_id, host=socket.gethostname())
+                         job_id=ctx.env.job_id, host=node_name())
         traceback.print_exc()
         if not (self.requeue_on_failure and ctx.start_step is not None
                 and self.backend.restarts_after_failure):
@@ -196,19 +215,88 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         except FileExistsError:
             # another rank requeues: leave quietly, so the job is not ended before it does
             raise RequeueExit(self.backend.requeue_exit_code) from None
-        # The same guards a restart would apply, now, so a hopeless job is not requeued just to stop.
-        stop_reason = self._refuse_reason(ctx.events.read(), ctx.run_dir, ctx.env.job_id)
+        exclude = [node_name()] if self.exclude_failed_nodes and is_hardware_fault(error) else []
+        self._requeue_or_stop(ctx.events, ctx.run_dir, ctx.env.job_id, ctx.segment, "failure", ctx.step,
+                              exclude, since=ctx.start_time)
+
+    def _requeue_or_stop(self, events: EventLog, run_dir: Path, job_id: str, segment: int, reason: str,
+                         failed_at: int | None, exclude: list[str], since: float) -> str:
+        """After a failure: the guards a restart would apply (so a hopeless job is not requeued just to stop),
+        then the backend's requeue (without the `exclude` nodes). Returns the event recorded."""
+        stop_reason = self.guards.refuse_reason(events.read(), job_id, self._saved_step(run_dir))
         if stop_reason:
-            ctx.events.write("stopped", segment=ctx.segment, reason=stop_reason, job_id=ctx.env.job_id)
+            events.write("stopped", segment=segment, reason=stop_reason, job_id=job_id)
             print(f"[taehv] not requeueing: {stop_reason}", flush=True)
-            raise StopRequested(stop_reason) from err
-        saved = Checkpointer(ctx.run_dir / "checkpoints").read_meta()
-        lost = round(time.time() - max(saved["saved_at"] if saved else 0.0, ctx.start_time), 1)
-        fields = {"segment": ctx.segment, "reason": "failure", "step": saved["step"] if saved else 0,
-                  "failed_at_step": ctx.step, "signal_to_saved_s": None, "seconds_lost": lost,
-                  "job_id": ctx.env.job_id}
-        outcome = self.backend.requeue_after_failure(ctx.env.job_id)
-        ctx.events.write(outcome.event, **fields, **outcome.fields)
-        if outcome.event == "requeue":
-            raise RequeueExit(self.backend.requeue_exit_code) from None
-        # requeue_failed: the error stands, the job ends FAILED
+            if reason == "failure":
+                raise StopRequested(stop_reason)
+            return "stopped"
+        saved = Checkpointer(run_dir / "checkpoints").read_meta()
+        lost = round(time.time() - max(saved["saved_at"] if saved else 0.0, since), 1)
+        fields = {"segment": segment, "reason": reason, "step": saved["step"] if saved else 0,
+                  "failed_at_step": failed_at, "signal_to_saved_s": None, "seconds_lost": lost,
+                  "job_id": job_id}
+        outcome = self.backend.requeue_after_failure(job_id, exclude)
+        events.write(outcome.event, **fields, **outcome.fields)
+        if outcome.event == "requeue" and reason == "failure":
+            raise RequeueExit(self.backend.requeue_exit_code)
+        return outcome.event  # requeue_failed: the error stands, the job ends FAILED
+
+    def _on_hang(self, ctx: RunContext, verdict: Verdict, bundle: Path) -> None:
+        """On the watchdog thread of the rank that found a hang: record the verdict, restart the job without
+        the culprits' nodes (where the backend can), and end this rank (its main thread is stuck)."""
+        step = min((int(r["step"] or 0) for r in verdict.culprits), default=ctx.step)
+        ctx.events.write("hang", segment=ctx.segment, step=step, ranks=[r["rank"] for r in verdict.culprits],
+                         hosts=verdict.hosts, section=verdict.section, detail=verdict.line(),
+                         bundle=str(bundle),
+                         job_id=ctx.env.job_id)
+        print(f"[taehv] {verdict.line()}; stacks and verdict: {bundle}", flush=True)
+        exclude = verdict.hosts if self.exclude_failed_nodes else []
+        try:
+            event = self._requeue_or_stop(ctx.events, ctx.run_dir, ctx.env.job_id, ctx.segment, "hang", step,
+                                          exclude, since=ctx.start_time)
+        except BaseException as err:  # the rank must end whatever happens here
+            print(f"[taehv] could not requeue after the hang: {one_line(err)}", flush=True)
+            event = "requeue_failed"
+        sys.stdout.flush()
+        os._exit(self.backend.requeue_exit_code if event == "requeue" else 1)
+
+    # ------------------------------------------------------------------------------ after the ranks
+    def after_ranks(self, status: int, last_error: str = "") -> int:
+        """Where the ranks were started from, once all ended with `status` (srun's: non-zero when one
+        failed, 128 + N when one was killed by signal N): record what the ranks could not — ranks ended
+        from outside, a job that died before its task began — and requeue the job off the dead ranks'
+        nodes when that can help. `last_error`: the last error line of rank 0's log. Returns `status`, or the
+        backend's requeue code when it requeued and the backend restarts ranks by their exit code."""
+        if status == 0:
+            return 0
+        run_dir, (job_id, restart) = Path(self.run_dir), attempt_of_environ()
+        events = EventLog(run_dir / "events.jsonl")
+        history, records = events.read(), read_ranks(run_dir, job_id, restart)
+        began = min((r["started"] for r in records), default=time.time())
+        this_attempt = [e for e in history if e.get("job_id") == job_id and e.get("time", 0) >= began]
+        if any(e["event"] in ("requeue", "requeue_failed", "cancelled", "stopped", "failure", "hang")
+               for e in this_attempt):
+            return status  # the ranks said what happened themselves
+        starts = [e for e in this_attempt if e["event"] == "start"]
+        segment = starts[-1]["segment"] if starts else None
+        killed = killed_ranks(records)
+        if not killed:  # no rank record, or every rank exited by itself: it died before it could say why
+            error = last_error or f"the ranks ended with exit code {status} before the task started"
+            events.write("failure", segment=segment, rank=None, step=None, job_id=job_id, error=error)
+            return status
+        signum = status - 128 if status > 128 else None
+        name = signal.Signals(signum).name if signum in signal.valid_signals() else f"exit code {status}"
+        step = max((int(r["step"]) for r in killed if r.get("step") is not None), default=None)
+        detail = (f"{describe_ranks(killed)} {'were' if len(killed) > 1 else 'was'} killed by {name}"
+                  f"{SIGNAL_NOTES.get(signum, '')}" + (f" at step {step}" if step is not None else ""))
+        hosts = sorted({r["host"] for r in killed})
+        events.write("killed", segment=segment, ranks=[r["rank"] for r in killed], hosts=hosts, signal=signum,
+                     signal_name=name, step=step, detail=detail, job_id=job_id)
+        print(f"error: {detail}", flush=True)
+        if starts and self.requeue_on_failure and self.backend.restarts_after_failure:
+            exclude = hosts if self.exclude_failed_nodes else []
+            event = self._requeue_or_stop(events, run_dir, job_id, segment, "killed", step, exclude,
+                                          since=began)
+            if event == "requeue" and self.backend.requeue_exit_code:  # a controller restarts by exit code
+                return self.backend.requeue_exit_code
+        return status

@@ -25,6 +25,7 @@ state is ~135 MB and gathering it for a save takes well under a second.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -51,6 +52,8 @@ class StepMetrics:
     sums: torch.Tensor  # float64, per name: the metric summed over this rank's samples of the step
     samples: int  # this rank's samples in the step (padding excluded)
     grad_norm: torch.Tensor  # global gradient norm before clipping (the same on every rank)
+    skipped: torch.Tensor  # bool: the update was not applied (non-finite loss or norm; same on every rank)
+    compute: ComputeClock | None = None  # this rank's own compute in the step (None where collectives mix in)
 
     def means(self) -> dict[str, float]:
         """This rank's per-sample means (syncs with the device)."""
@@ -62,6 +65,32 @@ def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContex
     if device.type == "cuda" and precision == "bf16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+class ComputeClock:
+    """This rank's compute time in one step, waits on the other ranks excluded: host seconds on a CPU (the
+    step runs there synchronously), CUDA events on a GPU (read at the log line, so no step waits)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.began = torch.cuda.Event(enable_timing=True)
+            self.ended = torch.cuda.Event(enable_timing=True)
+            self.began.record()
+        else:
+            self.began_s, self.seconds = time.perf_counter(), 0.0
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.ended.record()
+        else:
+            self.seconds = time.perf_counter() - self.began_s
+
+    def elapsed_s(self) -> float:
+        if self.cuda:
+            self.ended.synchronize()
+            return self.began.elapsed_time(self.ended) / 1000
+        return self.seconds
 
 
 class _MetricSums:
@@ -82,10 +111,18 @@ class _MetricSums:
         self.sums = vec if self.sums is None else self.sums + vec
         self.samples += batch_size
 
-    def result(self, grad_norm: torch.Tensor) -> StepMetrics:
+    def result(self, grad_norm: torch.Tensor, skipped: torch.Tensor,
+               compute: ComputeClock | None = None) -> StepMetrics:
         if self.sums is None:
             raise ValueError("train_step got no micro-batch with samples")
-        return StepMetrics(self.names, self.sums, self.samples, grad_norm.detach().to(torch.float64))
+        return StepMetrics(self.names, self.sums, self.samples, grad_norm.detach().to(torch.float64), skipped,
+                           compute)
+
+    def nonfinite(self) -> torch.Tensor:
+        """1.0 when a metric (the loss among them) of this rank's step is not finite, else 0.0 (device)."""
+        if self.sums is None:
+            raise ValueError("train_step got no micro-batch with samples")
+        return (~torch.isfinite(self.sums).all()).to(torch.float32)
 
 
 class Engine:
@@ -136,7 +173,9 @@ class FlatAllReduceEngine(Engine):
         super().__init__(module, device, precision, grad_clip)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         params = [p for p in module.parameters() if p.requires_grad]
-        self.flat_grad = torch.zeros(sum(p.numel() for p in params), device=device, dtype=torch.float32)
+        # One element more than the gradients: each rank's non-finite-loss flag, summed by the same
+        # all-reduce, so every rank skips a bad step together without a collective of its own.
+        self.flat_grad = torch.zeros(sum(p.numel() for p in params) + 1, device=device, dtype=torch.float32)
         offset = 0
         for p in params:  # each .grad a view with the parameter's own strides (channels_last too)
             p.grad = self.flat_grad.as_strided(p.shape, p.stride(), offset)
@@ -149,7 +188,11 @@ class FlatAllReduceEngine(Engine):
         # (at most two or three shapes) instead of a slower dynamic-shape one.
         self.forward = torch.compile(module, mode=compile_mode, dynamic=False) if compile else module
         self.cuda_graphs = compile and compile_mode == "reduce-overhead"
-        self.fused = device.type == "cuda"
+        # Fused on GPUs: its `found_inf` skips a step's update (and step count) on the device, without
+        # the host waiting for the GPU to learn whether the step was finite. The CPU's fused kernel
+        # rounds differently (measured: 5-8x larger drift between world sizes after 5 steps than the
+        # foreach AdamW), and on a CPU reading the flag costs nothing, so there the host skips.
+        self.fused = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
                                            fused=self.fused)
 
@@ -157,6 +200,7 @@ class FlatAllReduceEngine(Engine):
         self.module.train()
         self.flat_grad.zero_()  # keeps the views (never set_to_none)
         sums = _MetricSums()
+        clock = ComputeClock(self.device)
         for frames, latents, weight in microbatches:
             if self.cuda_graphs:  # each micro-step is a new replay of the graphs
                 torch.compiler.cudagraph_mark_step_begin()
@@ -164,14 +208,21 @@ class FlatAllReduceEngine(Engine):
                 loss, metrics = self.forward(frames, latents)
             sums.add(metrics, frames.shape[0], weight)  # copied out before anything replays the graphs again
             (loss * weight).backward()
+        self.flat_grad[-1] = sums.nonfinite()
+        clock.stop()
         if self.world > 1:
             # Σ over ranks of Σ weight·∇loss = the mean over the effective batch
             dist.all_reduce(self.flat_grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        skipped = (self.flat_grad[-1] > 0) | ~torch.isfinite(grad_norm)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
-        return sums.result(grad_norm)
+        if self.fused:
+            self.optimizer.found_inf = skipped.to(torch.float32)  # fused AdamW applies nothing where it is 1
+            self.optimizer.step()
+        elif not skipped:
+            self.optimizer.step()
+        return sums.result(grad_norm, skipped, clock)
 
     @torch.no_grad()
     def evaluate(self, frames: torch.Tensor, teacher_latents: torch.Tensor | None) -> dict[str, float]:
@@ -263,8 +314,11 @@ class DeepSpeedEngine(Engine):
         if count != self.grad_accum:  # ZeRO-2/3 run collectives in every micro-step: all ranks must agree
             raise ValueError(f"DeepSpeed engine configured for {self.grad_accum} micro-batches per step, "
                              f"got {count}")
+        # DeepSpeed's ZeRO optimizers find a non-finite gradient themselves (all ranks together) and skip
+        # the update; its global norm then reads inf (tests/test_engine.py checks the skip for 1, 2, 3).
         norm = self.ds.get_global_grad_norm()
-        return sums.result(torch.as_tensor(float("nan") if norm is None else norm, device=self.device))
+        norm = torch.as_tensor(float("nan") if norm is None else float(norm), device=self.device)
+        return sums.result(norm, ~torch.isfinite(norm))
 
     @torch.no_grad()
     def evaluate(self, frames: torch.Tensor, teacher_latents: torch.Tensor | None) -> dict[str, float]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from taehv_slurm.runtime.checkpoint import Checkpointer
+from taehv_slurm.runtime.checkpoint import Checkpointer, nonfinite_tensors
 from taehv_slurm.runtime.runfiles import write_text_atomic
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
 
@@ -44,6 +44,7 @@ class Exported:
     dtype: str
     tensors: int
     parameters: int
+    published_shape: bool  # the published TAEHV's shape: madebyollin's taehv.py loads the file as it is
 
 
 def checkpoint_of(source: str | os.PathLike) -> tuple[Checkpointer, int]:
@@ -94,6 +95,10 @@ def export_weights(source: str | os.PathLike, out: str | os.PathLike, dtype: str
         raise ExportError(f"--out {out}: folder {out.parent} does not exist; create it or pick another path")
     checkpoints, step = checkpoint_of(source)
     step, state, meta = checkpoints.load(step)
+    if bad := nonfinite_tensors(state["params"]):
+        raise ExportError(f"checkpoint step {step} holds non-finite weights ({len(bad)} tensor(s), e.g. "
+                          f"{bad[0]}): the run diverged; export an earlier checkpoint (its "
+                          "checkpoints/step_N folder)")
     weights = published_state_dict(state["params"], meta["model"], DTYPES[dtype])
 
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -106,6 +111,7 @@ def export_weights(source: str | os.PathLike, out: str | os.PathLike, dtype: str
             with open(tmp, "wb") as f:  # a file object: the archive is named "archive", not after the file
                 torch.save(weights, f)
         digest = hashlib.sha256(tmp.read_bytes()).hexdigest()  # ~45 MB at most (fp32)
+        os.chmod(tmp, 0o644)  # weights to share, as the sidecar (safetensors writes 0600 itself, torch 0644)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -117,4 +123,6 @@ def export_weights(source: str | os.PathLike, out: str | os.PathLike, dtype: str
             "checkpoint": str(checkpoints.directory.resolve() / f"step_{step:08d}"),
             "config": meta.get("config")}
     write_text_atomic(sidecar, json.dumps(info, indent=1) + "\n", 0o644)
-    return Exported(out, sidecar, step, dtype, len(weights), sum(t.numel() for t in weights.values()))
+    published = TAEHVConfig.from_dict(meta["model"]) == TAEHVConfig()
+    return Exported(out, sidecar, step, dtype, len(weights), sum(t.numel() for t in weights.values()),
+                    published)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -18,14 +19,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from taehv_slurm.trainer.engine import StepMetrics
+from taehv_slurm.trainer.engine import ComputeClock, StepMetrics
+from taehv_slurm.trainer.trackers import Trackers
 
 log = logging.getLogger("taehv")
 
 
 class LogWindow:
-    """The steps since the last log line: metric sums kept on the device (no sync per step), samples,
-    and the time this rank spent waiting for data."""
+    """The steps since the last log line: metric sums kept on the device (no sync per step), the time this
+    rank spent waiting for data, and the steps whose update was skipped (their metrics are left out)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -34,35 +36,58 @@ class LogWindow:
 
     def _reset(self) -> None:
         self.began = time.perf_counter()
-        self.steps = self.samples = 0
+        self.steps = 0
         self.data_wait_s = 0.0
         self.names: tuple[str, ...] = ()
-        self.sums: torch.Tensor | None = None  # per metric Σ over samples, then Σ over steps of the grad norm
+        # per metric Σ over kept samples, then Σ grad norm, kept samples, kept steps, skipped steps
+        self.sums: torch.Tensor | None = None
+        self.clocks: list[tuple[ComputeClock, float]] = []  # each step's compute clock and its data wait
 
-    def add(self, m: StepMetrics) -> None:
-        vec = torch.cat([m.sums, m.grad_norm.reshape(1)])
+    def add(self, m: StepMetrics, data_wait_s: float = 0.0) -> None:
+        if m.compute is not None:
+            self.clocks.append((m.compute, data_wait_s))
+        keep = (~m.skipped).to(torch.float64)
+        vec = torch.cat([torch.nan_to_num(m.sums) * keep, (torch.nan_to_num(m.grad_norm) * keep).reshape(1),
+                         (keep * m.samples).reshape(1), keep.reshape(1), (1 - keep).reshape(1)])
         self.names = m.names
         self.sums = vec if self.sums is None else self.sums + vec
         self.steps += 1
-        self.samples += m.samples
 
-    def close(self, effective_batch: int) -> dict[str, float]:
-        """Per-sample means over every rank's samples, clips/s and the slowest rank's data-wait fraction;
-        resets."""
+    def compute_s(self) -> list[float] | None:
+        """Every rank's mean compute seconds per step in this window (collective), None where not timed.
+        On a CPU the step's data wait is taken out (the host waited for it inside the step)."""
+        if not self.clocks:
+            return None
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine = sum(c.elapsed_s() - (0.0 if c.cuda else wait) for c, wait in self.clocks) / len(self.clocks)
+        every = torch.zeros(world, dtype=torch.float64, device=self.device)
+        every[rank] = mine
+        if world > 1:
+            dist.all_reduce(every)
+        return every.tolist()
+
+    def close(self, effective_batch: int) -> dict[str, float | None]:
+        """Per-sample means over every rank's kept samples (None when every step was skipped), clips/s,
+        the skipped steps and the slowest rank's data-wait fraction; resets."""
         if self.sums is None:
             raise RuntimeError("LogWindow.close before any step")
         elapsed = time.perf_counter() - self.began
-        totals = torch.cat([self.sums, self.sums.new_tensor([float(self.samples)])])
+        totals = self.sums.clone()
         wait = torch.tensor([self.data_wait_s / elapsed], dtype=torch.float64, device=self.device)
         world = 1
         if dist.is_initialized() and dist.get_world_size() > 1:
             world = dist.get_world_size()
             dist.all_reduce(totals)
             dist.all_reduce(wait, op=dist.ReduceOp.MAX)
-        *sums, grad_norm, samples = totals.tolist()
-        out = {name: v / samples for name, v in zip(self.names, sums)}
-        out.update(grad_norm=grad_norm / (self.steps * world),
+        *sums, grad_norm, samples, kept, skipped = totals.tolist()
+        kept, skipped = round(kept / world), round(skipped / world)  # the same on every rank
+        out: dict[str, float | None] = {name: v / samples if samples else None
+                                        for name, v in zip(self.names, sums)}
+        out.update(grad_norm=grad_norm / (kept * world) if kept else None,
                    samples_per_second=self.steps * effective_batch / elapsed, data_wait=float(wait))
+        if skipped:
+            out["skipped_steps"] = skipped
         self._reset()
         return out
 
@@ -77,16 +102,22 @@ class MetricsWriter:
     TB_TAGS = {"loss": "train/loss", "psnr": "train/psnr", "reconstruction_loss": "train/reconstruction_loss",
                "latent_loss": "train/latent_loss", "decoder_loss": "train/decoder_loss", "lr": "lr",
                "samples_per_second": "samples_per_second", "gpu_memory_gb": "gpu_memory",
-               "grad_norm": "train/grad_norm"}
+               "grad_norm": "train/grad_norm", "mfu": "mfu"}
 
-    def __init__(self, run_dir: Path, start_step: int, enabled: bool, total: int) -> None:
+    def __init__(self, run_dir: Path, start_step: int, enabled: bool, total: int,
+                 trackers: Trackers | None = None) -> None:
         self.enabled = enabled
+        self.trackers = trackers  # W&B / MLflow (rank 0), fed the same tags as TensorBoard
+        self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
+        self.samples_path = run_dir / "samples.jsonl"
         self.bar = None
         self.total = total
-        if not enabled:
-            return
-        self.samples_path = run_dir / "samples.jsonl"
+        if enabled:
+            self._open(start_step)
+
+    def _open(self, start_step: int) -> None:
+        """Drop what was logged past `start_step` (work that was not kept) and open the writers there."""
         for path in (self.path, self.samples_path):
             if path.exists():
                 kept = [ln for ln in path.read_text().splitlines()
@@ -94,25 +125,34 @@ class MetricsWriter:
                 path.write_text("".join(ln + "\n" for ln in kept))
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+        self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
         if sys.stdout.isatty() or "ipykernel" in sys.modules:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=start_step, unit="step", desc="train")
+            self.bar = tqdm(total=self.total, initial=start_step, unit="step", desc="train")
         self.last_step = start_step
+
+    def rewind(self, step: int) -> None:
+        """The run went back to `step` (a rollback): what was logged after it is dropped."""
+        if self.enabled:
+            self._close_writers()
+            self._open(step)  # the trackers go on (W&B ignores steps below its last one, MLflow keeps both)
 
     def write(self, step: int, values: Mapping[str, Any], prefix: str = "train") -> None:
         if not self.enabled:
             return
+        values = {k: finite_or_none(v) for k, v in values.items()}
         row = {"step": step, "time": time.time(),
                **({f"val_{k}": v for k, v in values.items()} if prefix == "val" else values)}
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        for key, value in values.items():
-            if value is None:
-                continue
-            tag = f"val/{key}" if prefix == "val" else self.TB_TAGS.get(key, f"train/{key}")
+            f.write(json.dumps(row, allow_nan=False) + "\n")  # strict JSON: a non-finite value is null
+        scalars = {f"val/{key}" if prefix == "val" else self.TB_TAGS.get(key, f"train/{key}"): value
+                   for key, value in values.items()
+                   if isinstance(value, int | float) and not isinstance(value, bool)}  # not None, not lists
+        for tag, value in scalars.items():
             self.tb.add_scalar(tag, value, step)
+        if self.trackers is not None:
+            self.trackers.log(step, scalars)
         text = " ".join(f"{k} {v:.4g}" for k, v in values.items() if isinstance(v, float))
         if self.bar is not None:
             self.bar.update(step - self.last_step)
@@ -126,13 +166,24 @@ class MetricsWriter:
             with self.samples_path.open("a") as f:
                 f.write(json.dumps({"step": step, "samples": samples}) + "\n")
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """End this attempt's writers; `finished`: training is complete (trackers mark their run done)."""
         if self.enabled:
-            self.tb.flush()
-            self.tb.close()
-            if self.bar is not None:
-                self.bar.close()
+            self._close_writers()
+            if self.trackers is not None:
+                self.trackers.close(finished)
             self.enabled = False
+
+    def _close_writers(self) -> None:
+        self.tb.flush()
+        self.tb.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+def finite_or_none(value: Any) -> Any:
+    """A float that is NaN or infinite becomes None (JSON null); anything else is kept."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def _step_of(line: str) -> int | None:

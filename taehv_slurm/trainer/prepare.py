@@ -65,7 +65,7 @@ class PrepareTask:
     """
 
     def __init__(self, out: str | os.PathLike, runtime: RuntimeSettings | Mapping[str, Any] | None = None,
-                 batch: int = 4, workers: int | None = None, compile: bool = False,
+                 batch: int = 2, workers: int | None = None, compile: bool = True,
                  finish_budget_s: Mapping[str, float] | None = None) -> None:
         self.out = str(out)
         self.runtime = RuntimeSettings.of(runtime)
@@ -121,6 +121,7 @@ class _Worker:
         import torch
         import torch.distributed as dist
 
+        from taehv_slurm.trainer.speed import use_compile_cache
         from taehv_slurm.trainer.teacher import load_teacher
 
         ctx, env = self.ctx, self.env
@@ -134,6 +135,7 @@ class _Worker:
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # one input shape throughout: the autotuned kernels pay off
             if self.task.compile:
+                use_compile_cache(self.task.runtime.compile_cache_dir)  # every shard job, rank and requeue
                 teacher.vae.encoder.compile(dynamic=False)
         self.teacher, self.latent_channels = teacher, int(teacher.vae.config.latent_channels)
         clips = open_clips(manifest)

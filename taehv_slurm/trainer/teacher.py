@@ -36,10 +36,15 @@ class Teacher:
         if hasattr(self.vae, "disable_tiling"):
             self.vae.disable_tiling()  # one pass per clip: targets must not depend on tile seams
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> Teacher:
+    def to(self, device: torch.device, dtype: torch.dtype, channels_last: bool = False) -> Teacher:
+        """On `device` in `dtype`; channels_last: the 3-D convolutions' weights and inputs in NDHWC, the
+        layout cuDNN's tensor-core kernels read without a transpose."""
         self.vae.to(device=device)
         if next(self.vae.parameters()).dtype != dtype:  # diffusers warns on any dtype argument
             self.vae.to(dtype=dtype)
+        self.channels_last = channels_last
+        if channels_last:
+            self.vae.to(memory_format=torch.channels_last_3d)
         return self
 
     @torch.no_grad()
@@ -49,6 +54,8 @@ class Teacher:
         param = next(self.vae.parameters())
         # N×C×T×H×W in [-1, 1]
         x = x.to(device=param.device, dtype=param.dtype).mul(2).sub(1).permute(0, 2, 1, 3, 4)
+        if getattr(self, "channels_last", False):
+            x = x.contiguous(memory_format=torch.channels_last_3d)
         z = self.vae.encode(x).latent_dist.mode() * self.scaling_factor
         return z.permute(0, 2, 1, 3, 4).float().contiguous()
 

@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import socket
+import statistics
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -28,24 +29,37 @@ import torch.distributed as dist
 from taehv_slurm.config import RuntimeSettings, TrainConfig, load_train
 from taehv_slurm.messages import command, rank_logger
 from taehv_slurm.plan import ScalePlan, plan_for
-from taehv_slurm.runtime.checkpoint import Checkpointer
-from taehv_slurm.runtime.context import RunContext
+from taehv_slurm.runtime.checkpoint import Checkpointer, nonfinite_tensors
+from taehv_slurm.runtime.context import FatalTaskError, RunContext
 from taehv_slurm.runtime.distenv import DistEnv, destroy_distributed, init_distributed
-from taehv_slurm.trainer.data import ClipSpec, GlobalOrder, SyntheticClips, VideoFolderClips, microbatches
+from taehv_slurm.runtime.ranks import node_name
+from taehv_slurm.trainer.build import (
+    build_sources,
+    check_compatible,
+    configure_backends,
+    data_wait_advice,
+    device_for,
+    gpu_memory_gb,
+)
+from taehv_slurm.trainer.data import GlobalOrder, microbatches
+from taehv_slurm.trainer.divergence import DivergenceGuard
 from taehv_slurm.trainer.engine import Engine, Microbatch, make_engine
 from taehv_slurm.trainer.losses import DistillModule
 from taehv_slurm.trainer.metrics import LogWindow, MetricsWriter
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training, load_published_weights
 from taehv_slurm.trainer.rng import get_rng_state, seed_all, set_rng_state
 from taehv_slurm.trainer.schedule import lr_at
+from taehv_slurm.trainer.speed import mfu, model_flops_per_clip, peak_flops, use_compile_cache
+from taehv_slurm.trainer.stragglers import SlowRanks
 from taehv_slurm.trainer.teacher import load_teacher
+from taehv_slurm.trainer.trackers import Trackers
 
 log = logging.getLogger("taehv")
 DATA_WAIT_WARN = 0.10  # warn once when the ranks wait for data longer than this fraction of a log window
 
 
-class IncompatibleCheckpointError(ValueError):
-    """The checkpoint was trained with another model shape; the message names the fields."""
+class DivergedError(FatalTaskError):
+    """The run diverged past its budget (or its state is not finite): it stops; the message says what next."""
 
 
 def run_training(train: Mapping[str, Any], rt: RuntimeSettings, ctx: RunContext | None) -> dict[str, Any]:
@@ -54,7 +68,7 @@ def run_training(train: Mapping[str, Any], rt: RuntimeSettings, ctx: RunContext 
     ctx = ctx or RunContext.standalone(rt.run_dir or Path("runs") / cfg.name)
     env = ctx.env
     rank_logger(log.name, env.rank)  # our logger only: submitit logs through its own handler
-    device = _device(rt.device, env)
+    device = device_for(rt.device, env)
     configure_backends(device)
     torch.set_num_threads(rt.torch_threads)
     plan = plan_for(env.num_nodes, env.local_world_size, cfg, gpu_memory_gb=rt.gpu_memory_gb,
@@ -65,18 +79,21 @@ def run_training(train: Mapping[str, Any], rt: RuntimeSettings, ctx: RunContext 
                      rendezvous_timeout_s=rt.rendezvous_timeout_s,
                      use_cuda=device.type == "cuda")
     try:
-        return Trainer(cfg, plan, env, device, ctx).run()
+        return Trainer(cfg, plan, env, device, ctx, rt).run()
     finally:
         destroy_distributed()
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, plan: ScalePlan, env: DistEnv, device: torch.device,
-                 ctx: RunContext) -> None:
+                 ctx: RunContext, runtime: RuntimeSettings | None = None) -> None:
         self.cfg, self.plan, self.env, self.device, self.ctx = cfg, plan, env, device, ctx
+        self.runtime = runtime or RuntimeSettings()
         self.run_dir = ctx.run_dir
         self.main = env.rank == 0
         self.step_samples: list[int] = []  # this rank's clip indices of the current step (record_samples)
+        self.data_offset = 0  # optimizer steps of data passed by rollbacks (saved with each checkpoint)
+        self.rollbacks = 0
         self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.intervals.keep_checkpoints,
                                         group=os.environ.get("TAEHV_SHARED_GROUP") or None,
                                         trust_root=self.run_dir)
@@ -91,7 +108,7 @@ class Trainer:
             self.teacher = load_teacher(cfg.teacher.kind, cfg.teacher.path or "", cfg.teacher.scaling_factor,
                                         cfg.seed).to(self.device, dtype)
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        student = TAEHV(TAEHVConfig.from_dict(_model_fields(cfg)))
+        student = TAEHV(TAEHVConfig.from_dict(cfg.model_fields()))
         if cfg.model.init_from:
             load_published_weights(student, cfg.model.init_from)
         else:
@@ -101,6 +118,12 @@ class Trainer:
             student.to(memory_format=torch.channels_last)
         module = DistillModule(student, cfg.loss.latent_weight, cfg.loss.reconstruction_weight,
                                cfg.loss.decoder_weight)
+        self.peak_flops = peak_flops(self.device, plan.precision)
+        self.flops_per_clip = (model_flops_per_clip(module, cfg.data.frames, cfg.data.height, cfg.data.width,
+                                                    self.device, cfg.model.latent_channels)
+                               if self.peak_flops else 0.0)
+        if cfg.engine.compile and self.device.type == "cuda":
+            use_compile_cache(self.runtime.compile_cache_dir)
         self.engine: Engine = make_engine(
             plan.engine, module, self.device, precision=plan.precision, grad_clip=cfg.optim.grad_clip,
             lr=plan.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
@@ -109,15 +132,22 @@ class Trainer:
         )
 
     def resume(self) -> int:
-        loaded = self.checkpoints.load_latest()
-        if self.main:
-            for line in self.checkpoints.moved_aside:
-                log.warning(line)
-        if loaded is None:
+        """Rank 0 chooses the checkpoint to resume — the newest that loads; damaged ones are moved aside,
+        each named in the log and in events.jsonl — and every rank loads that one (so no rank ever reads
+        a folder another rank is moving)."""
+        loaded = self.checkpoints.load_latest() if self.main else None
+        for line in self.checkpoints.moved_aside:
+            log.warning(line)
+            self.ctx.events.write("checkpoint_damaged", segment=self.ctx.segment, detail=line,
+                                  job_id=self.env.job_id)
+        step = from_rank0(loaded[0] if loaded else None)
+        if step is None:
             return 0
-        step, state, meta = loaded
+        step, state, meta = loaded if loaded else self.checkpoints.load(step)
         check_compatible(meta, self.cfg, self.checkpoints.directory / f"step_{step:08d}")
         self.engine.load_full_state(state)
+        self.data_offset = int(meta.get("data_offset_steps", 0))
+        self.rollbacks = int(meta.get("rollbacks", 0))
         rng = state.get("rng") or []
         if len(rng) == self.env.world_size:  # same layout: each rank continues its own streams
             set_rng_state(rng[self.env.rank])
@@ -133,61 +163,155 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg, plan, env, ctx = self.cfg, self.plan, self.env, self.ctx
         self.build()
-        step = self.resume()
-        ctx.started(step, engine=plan.engine, effective_batch=plan.effective_batch,
+        step = resumed_at = self.resume()
+        ctx.started(step, config=cfg.to_dict(), engine=plan.engine, effective_batch=plan.effective_batch,
                     grad_accum=plan.grad_accum)
         if self.main:
             log.info("plan for %d ranks:\n%s", env.world_size, plan.table())
-        metrics = MetricsWriter(self.run_dir, step, enabled=self.main, total=cfg.steps)
+        tracked = self.main and (cfg.tracking.wandb or cfg.tracking.mlflow)
+        self.metrics = MetricsWriter(self.run_dir, step, enabled=self.main, total=cfg.steps,
+                                     trackers=Trackers(cfg.tracking, self.run_dir, self.run_dir.name,
+                                                       cfg.to_dict()) if tracked else None)
+        self.guard = DivergenceGuard(cfg.divergence, self.device, self.rollbacks)
+        self.slow = SlowRanks(all_hosts(), self.runtime.slow_rank_margin, self.runtime.slow_rank_windows)
         sizes = plan.microbatch_sizes(env.rank)
-        stream = microbatches(self.train_source, GlobalOrder(len(self.train_source), cfg.seed), step,
-                              plan.effective_batch, plan.first_sample(env.rank), sizes,
-                              num_workers=plan.num_workers,
-                              prefetch_factor=plan.prefetch_factor, pin_memory=self.device.type == "cuda")
+        self.stream = self.open_stream(step, sizes)
         window = LogWindow(self.device)
-        last: dict[str, float] = {}
         if step >= cfg.steps and self.main:
             log.warning("nothing to train: the checkpoint is at step %d and steps is %d; "
                         "submit with a higher --set steps=N to train on", step, cfg.steps)
-        resumed_at = step
+        last: dict[str, Any] = {}
         while step < cfg.steps:
-            ctx.step_boundary(step, functools.partial(self.save_at_signal, step, metrics), self.device)
+            ctx.step_boundary(step, functools.partial(self.save_at_signal, step), self.device)
             lr = lr_at(step, plan.lr, plan.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
-            window.add(self.engine.train_step(self.step_microbatches(stream, sizes, window), lr))
+            waited = window.data_wait_s
+            result = self.engine.train_step(self.step_microbatches(sizes, window), lr)
+            window.add(result, window.data_wait_s - waited)
+            decision = self.guard.observe(step, result.skipped)
             step += 1
-            if cfg.intervals.record_samples:
-                metrics.write_samples(step, self.gather_samples())
-            if step % plan.log_every == 0 or step == cfg.steps or step == 1:
-                last = {**window.close(plan.effective_batch), "lr": lr,
-                        "gpu_memory_gb": _gpu_memory_gb(self.device)}
-                metrics.write(step, last)
-                if self.main and step > 1 and last["data_wait"] > DATA_WAIT_WARN and not window.warned:
-                    log.warning(data_wait_advice(last["data_wait"], plan, cfg.data.source))
-                    window.warned = True
-            if step % plan.val_every == 0 or step == cfg.steps:
-                metrics.write(step, self.validate(), prefix="val")
-            if step % plan.ckpt_every == 0 and step < cfg.steps:
-                self.save(step, blocking=not cfg.intervals.async_checkpoint)
+            last = self.after_step(step, window, lr) or last
+            if step == cfg.steps and decision is None:
+                decision = self.guard.flush()  # the last step's flag, before the final save
+            if decision is not None:
+                step = self.diverged(decision, step, sizes)
         if step > resumed_at:  # a run resumed at its last step keeps its checkpoint as it is
             self.save(step, blocking=True)
-        metrics.close()
+        self.metrics.close(finished=True)
         ctx.finished(step)
         return {"step": step, "rank": env.rank, "world_size": env.world_size, "engine": plan.engine,
                 **{k: last.get(k) for k in ("loss", "psnr", "reconstruction_loss", "latent_loss")},
+                "skipped_steps": self.guard.total,
                 "checkpoint": str(self.checkpoints.directory / f"step_{step:08d}")}
 
-    def save_at_signal(self, step: int, metrics: MetricsWriter) -> None:
-        self.save(step, blocking=True)
-        metrics.close()
+    def after_step(self, step: int, window: LogWindow, lr: float) -> dict[str, Any] | None:
+        """After optimizer step `step` (1-based): the sample record, the log line, validation and the
+        periodic checkpoint, each at its interval. Returns the log line's values when it wrote one."""
+        cfg, plan = self.cfg, self.plan
+        if cfg.intervals.record_samples:
+            self.metrics.write_samples(step, self.gather_samples())
+        last = None
+        if step % plan.log_every == 0 or step == cfg.steps or step == 1:
+            last = {**self.slow_ranks(window.compute_s()), **window.close(plan.effective_batch), "lr": lr,
+                    "gpu_memory_gb": gpu_memory_gb(self.device)}
+            last["mfu"] = mfu(last["samples_per_second"] / self.env.world_size, self.flops_per_clip,
+                              self.peak_flops)
+            self.metrics.write(step, last)
+            if self.main and step > 1 and last["data_wait"] > DATA_WAIT_WARN and not window.warned:
+                log.warning(data_wait_advice(last["data_wait"], plan, cfg.data.source))
+                window.warned = True
+        if step % plan.val_every == 0 or step == cfg.steps:
+            self.metrics.write(step, self.validate(), prefix="val")
+        # Not while steps are being skipped: a rollback needs the checkpoints from before them.
+        if step % plan.ckpt_every == 0 and step < cfg.steps and not self.guard.consecutive:
+            self.save(step, blocking=not cfg.intervals.async_checkpoint)
+        return last
 
-    def step_microbatches(self, stream: Iterator[dict[str, Any]], sizes: list[int],
-                          window: LogWindow) -> Iterator[Microbatch]:
+    def slow_ranks(self, compute_s: list[float] | None) -> dict[str, Any]:
+        """The log line's compute fields: this window's median compute per step and the ranks named slow."""
+        if compute_s is None:
+            return {}
+        named, new, recovered = self.slow.observe(compute_s)
+        if self.main:
+            for rank in new:
+                line = next(d for d in named if d.startswith(f"rank {rank} "))
+                log.warning("slow rank: %s", line)
+                self.ctx.events.write("slow_rank", segment=self.ctx.segment, rank=rank,
+                                      host=self.slow.hosts[rank], detail=line, step=self.ctx.step,
+                                      job_id=self.env.job_id)
+            for rank in recovered:
+                log.info("rank %d on %s is no longer slow", rank, self.slow.hosts[rank])
+                self.ctx.events.write("slow_rank_recovered", segment=self.ctx.segment, rank=rank,
+                                      host=self.slow.hosts[rank], step=self.ctx.step, job_id=self.env.job_id)
+        fields: dict[str, Any] = {"compute_s": statistics.median(compute_s)}
+        if named:
+            fields["slow_ranks"] = named
+        return fields
+
+    def open_stream(self, step: int, sizes: list[int]) -> Iterator[dict[str, Any]]:
+        """This rank's micro-batches from optimizer step `step` on, past the batches rollbacks skipped."""
+        plan, cfg = self.plan, self.cfg
+        return microbatches(self.train_source, GlobalOrder(len(self.train_source), cfg.seed),
+                            step + self.data_offset, plan.effective_batch, plan.first_sample(self.env.rank),
+                            sizes,
+                            num_workers=plan.num_workers, prefetch_factor=plan.prefetch_factor,
+                            pin_memory=self.device.type == "cuda")
+
+    def save_at_signal(self, step: int) -> None:
+        self.save(step, blocking=True)
+        self.metrics.close()
+
+    # ------------------------------------------------------------------------------ divergence
+    def diverged(self, decision: str, step: int, sizes: list[int]) -> int:
+        """The divergence budget is spent at optimizer step `step`: roll back (returns the restored step)
+        or stop the run (DivergedError on every rank: FAILED, one line, no requeue)."""
+        if decision == "rollback" and (restored := self.rollback(step, sizes)) is not None:
+            return restored
+        latest = self.checkpoints.latest_step()
+        folder = self.checkpoints.directory / f"step_{latest or 0:08d}"
+        where = (f"the last checkpoint is step {latest} ({folder}), and resubmitting resumes from it"
+                 if latest is not None else
+                 "no checkpoint was saved yet, so resubmitting starts from step 0")
+        tried = (f" (rolled back {self.rollbacks} time(s) already)" if self.rollbacks
+                 else " (divergence.action: rollback retries from the checkpoint by itself)")
+        raise DivergedError(
+            f"step {step}: the loss or gradient norm {self.guard.spent()}; no such update was applied, so "
+            f"the weights stay finite; {where}: lower optim.lr (now {self.cfg.optim.lr:g}) or lengthen "
+            f"optim.warmup_steps (now {self.cfg.optim.warmup_steps}), then {command('submit')} --name "
+            f"{self.run_dir.name}{tried}")
+
+    def rollback(self, step: int, sizes: list[int]) -> int | None:
+        """Restore the newest checkpoint from before the skipped steps on every rank and pass the batches
+        trained since it; None when there is no such checkpoint."""
+        first_bad = self.guard.first_bad_step or 0
+        before = [s for s in self.checkpoints.steps() if s <= first_bad] if self.main else []
+        back = from_rank0(before[-1] if before else None)
+        if back is None:
+            return None
+        _, state, _ = self.checkpoints.load(back)
+        self.engine.load_full_state(state)
+        self.data_offset += step - back
+        self.rollbacks += 1
+        self.guard.rolled_back()
+        del self.stream  # stops its loader workers
+        self.stream = self.open_stream(back, sizes)
+        self.metrics.rewind(back)
+        if self.main:
+            log.warning("rolled back from step %d to the checkpoint of step %d, passing the %d batches since "
+                        "(rollback %d of divergence.max_rollbacks=%d)", step, back, step - back,
+                        self.rollbacks, self.cfg.divergence.max_rollbacks)
+            self.ctx.events.write("rollback", segment=self.ctx.segment, from_step=step, to_step=back,
+                                  skipped_batches=step - back, rollbacks=self.rollbacks,
+                                  job_id=self.env.job_id)
+        self.save(back, blocking=True)  # the checkpoint records the batches to pass: a requeue keeps them
+        return back
+
+    def step_microbatches(self, sizes: list[int], window: LogWindow) -> Iterator[Microbatch]:
         """This rank's micro-batches of one step, pulled from the loader one at a time (the GPU works on
         one while the next is loaded), each weighted by its share of the effective batch."""
         self.step_samples.clear()
         for size in sizes:
             began = time.perf_counter()
-            batch = next(stream)
+            batch = next(self.stream)
             window.data_wait_s += time.perf_counter() - began
             if size:  # a padding micro-batch repeats a sample with weight 0: not part of the step
                 self.step_samples += batch["index"].tolist()
@@ -232,7 +356,8 @@ class Trainer:
         return {k: float(v) / n for k, v in zip(keys, packed[:-1].tolist())}
 
     def save(self, step: int, blocking: bool) -> None:
-        """Every rank takes part (ZeRO-3 gathers; RNG states are gathered); rank 0 writes."""
+        """Every rank takes part (ZeRO-3 gathers; RNG states are gathered); rank 0 writes. A state with a
+        non-finite value is never written: every rank stops (the last checkpoint stays `latest`)."""
         start = time.perf_counter()
         state = self.engine.full_state()
         rngs: list[Any] = [None] * self.env.world_size
@@ -240,12 +365,19 @@ class Trainer:
             dist.all_gather_object(rngs, get_rng_state())
         else:
             rngs = [get_rng_state()]
+        bad = from_rank0(nonfinite_tensors(state) if self.main else None)
+        if bad:
+            raise DivergedError(f"step {step}: the model state holds non-finite values ({len(bad)} "
+                                f"tensor(s), e.g. {bad[0]}); it was not saved, the last checkpoint stays "
+                                f"latest: lower optim.lr (now {self.cfg.optim.lr:g}) or lengthen "
+                                "optim.warmup_steps, then resubmit")
         if self.main:
             state = {**state, "rng": rngs, "step": step}
             meta = {"world_size": self.env.world_size, "engine": self.plan.engine,
-                    "model": _model_fields(self.cfg),
+                    "model": self.cfg.model_fields(),
                     "config": self.cfg.to_dict(), "plan": self.plan.to_dict(), "host": socket.gethostname(),
-                    "data_position": step * self.plan.effective_batch}
+                    "data_position": (step + self.data_offset) * self.plan.effective_batch,
+                    "data_offset_steps": self.data_offset, "rollbacks": self.rollbacks}
             # full_state() already copied everything off the GPU, so the writer thread owns its tensors
             self.checkpoints.save(state, step, meta, blocking=blocking)
             if blocking:
@@ -253,74 +385,29 @@ class Trainer:
         if dist.is_initialized() and self.env.world_size > 1:
             dist.barrier()
         if self.main:
+            seconds = time.perf_counter() - start
             log.info("checkpoint step %d %s in %.2f s", step, "saved" if blocking else "handed to the writer",
-                     time.perf_counter() - start)
+                     seconds)
+            self.ctx.events.write("checkpoint", segment=self.ctx.segment, step=step,
+                                  seconds=round(seconds, 3), blocking=blocking, job_id=self.env.job_id)
+
+
+def all_hosts() -> list[str]:
+    """Every rank's node name, by rank (collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [node_name()]
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, node_name())
+    return hosts
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (one decision for all; collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def build_sources(cfg: TrainConfig):
-    """(train source, validation source) for the configured data."""
-    d = cfg.data
-    spec = ClipSpec(d.frames, d.height, d.width)
-    if d.source == "synthetic":
-        return (SyntheticClips(d.num_clips, spec, cfg.seed),
-                SyntheticClips(max(1, d.val_clips), spec, cfg.seed + 7919))
-    if d.source == "video":
-        clips = VideoFolderClips(d.path or "", spec, seed=cfg.seed)
-    else:
-        from taehv_slurm.trainer.prepared import PreparedClips
-
-        clips = PreparedClips(d.path or "", spec)
-    n_val = min(d.val_clips, max(0, len(clips) - 1))
-    train_idx = list(range(len(clips) - n_val))
-    val_idx = list(range(len(clips) - n_val, len(clips)))
-    return torch.utils.data.Subset(clips, train_idx), torch.utils.data.Subset(clips, val_idx)
-
-
-def check_compatible(meta: Mapping[str, Any], cfg: TrainConfig, where: Path) -> None:
-    saved, now = meta.get("model", {}), _model_fields(cfg)
-    differ = [f"{k}: checkpoint {saved.get(k)!r} vs config {now[k]!r}" for k in now
-              if k in saved and saved[k] != now[k]]
-    if differ:
-        raise IncompatibleCheckpointError(
-            f"checkpoint {where} was trained with another model ({'; '.join(differ)}); "
-            "set those model.* values back, or start a new run (--name) for the new model"
-        )
-
-
-def _model_fields(cfg: TrainConfig) -> dict[str, Any]:
-    m = cfg.model
-    return {"latent_channels": m.latent_channels, "patch_size": m.patch_size,
-            "encoder_width": m.encoder_width, "decoder_widths": list(m.decoder_widths)}
-
-
-def configure_backends(device: torch.device) -> None:
-    """Kernel choices for training on `device`: cuDNN tries its algorithms once per input shape and keeps
-    the fastest (a rank sees at most three shapes: the micro-batch, a smaller last one, validation)."""
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-
-
-def _device(choice: str, env: DistEnv) -> torch.device:
-    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    return torch.device("cuda", env.local_rank)
-
-
-def data_wait_advice(fraction: float, plan: ScalePlan, source: str) -> str:
-    """One line for a trainer that waits for its data: how much, and what to change."""
-    fix = {"video": f"or prepare the data once ({command('prepare')}) and train with data.source: prepared",
-           "synthetic": "(synthetic clips are rendered on the CPU: each worker needs a core)",
-           "prepared": "or move the shards to faster storage"}.get(source, "")
-    return (f"the ranks waited for data {100 * fraction:.0f} % of the last log window with "
-            f"{plan.num_workers} loader "
-            f"workers per rank: raise cpus_per_task (the plan gives a worker per spare core) or set "
-            f"data.num_workers {fix}")
-
-
-def _gpu_memory_gb(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-
-

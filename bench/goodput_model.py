@@ -1,0 +1,76 @@
+"""Goodput at scale, on paper: the effective training time ratio (ETTR) this design gives at 64, 512 and
+4096 GPUs under Llama 3's failure rate, from the figures measured here, and the checkpoint interval the
+plan uses at each size (`intervals.ckpt_every: auto`, taehv_slurm.plan.checkpoint_interval_s).
+
+    python bench/goodput_model.py [--save-s 0.5] [--restart-s 60] [--first-step-s 20] [--detect-s 65]
+
+Per interruption the job loses half a checkpoint interval of work on average, the restart (requeue and
+queue wait), the time to its first step (start-up, restore, compilation), and for a hang the time to
+detect it; every checkpoint costs its save. With M the job's mean time between interruptions and tau the
+interval: ETTR = 1 - save/tau - (tau/2 + restart + first_step + hang_share * detect) / M. Preemptions and
+time limits are not counted: every rank saves at the signal, so they lose no work (only the restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from taehv_slurm.plan import GPU_SECONDS_PER_INTERRUPTION, checkpoint_interval_s  # noqa: E402
+
+SIZES = (64, 512, 4096)
+
+
+def ettr(gpus: int, interval_s: float, save_s: float, restart_s: float, first_step_s: float, detect_s: float,
+         hang_share: float) -> tuple[float, float]:
+    """(ETTR, the job's mean time between interruptions in seconds) at `gpus`."""
+    mtbf = GPU_SECONDS_PER_INTERRUPTION / gpus
+    lost_per_failure = interval_s / 2 + restart_s + first_step_s + hang_share * detect_s
+    return 1 - save_s / interval_s - lost_per_failure / mtbf, mtbf
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--save-s", type=float, default=0.5,
+                   help="one checkpoint save (measured: docs/benchmarks.md)")
+    p.add_argument("--restart-s", type=float, default=60.0,
+                   help="requeue to running again (testbed: ~15 s; a busy cluster's queue: more)")
+    p.add_argument("--first-step-s", type=float, default=20.0, help="start to first step, warm compile cache")
+    p.add_argument("--detect-s", type=float, default=65.0,
+                   help="a hang's detection: the 60 s floor + a heartbeat")
+    p.add_argument("--hang-share", type=float, default=0.3,
+                   help="interruptions that are hangs (the rest crash)")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "goodput_model.json")
+    args = p.parse_args(argv)
+    rows = []
+    for gpus in SIZES:
+        interval = checkpoint_interval_s(gpus, args.save_s)
+        value, mtbf = ettr(gpus, interval, args.save_s, args.restart_s, args.first_step_s, args.detect_s,
+                           args.hang_share)
+        hourly, _ = ettr(gpus, 3600.0, args.save_s, args.restart_s, args.first_step_s, args.detect_s,
+                         args.hang_share)
+        rows.append({"gpus": gpus, "mtbf_h": round(mtbf / 3600, 1),
+                     "interruptions_per_day": round(86400 / mtbf, 2),
+                     "checkpoint_interval_min": round(interval / 60, 1), "ettr": round(value, 4),
+                     "ettr_hourly_checkpoints": round(hourly, 4)})
+    print("| GPUs | mean time between interruptions | interruptions/day | checkpoint every | ETTR | "
+          "ETTR, hourly checkpoints |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['gpus']} | {r['mtbf_h']} h | {r['interruptions_per_day']} | "
+              f"{r['checkpoint_interval_min']} min | {100 * r['ettr']:.2f} % | "
+              f"{100 * r['ettr_hourly_checkpoints']:.2f} % |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"inputs": {k: v for k, v in vars(args).items() if k != "out"},
+                                    "gpu_seconds_per_interruption": round(GPU_SECONDS_PER_INTERRUPTION),
+                                    "rows": rows}, indent=1) + "\n")
+    return 0 if all(math.isfinite(r["ettr"]) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

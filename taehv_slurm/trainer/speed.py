@@ -1,0 +1,81 @@
+"""How fast the job runs against what the hardware allows, and compiling once for every attempt.
+
+- `model_flops_per_clip`: the student's training FLOPs per clip, counted by torch's FlopCounterMode on one
+  clip's forward (no grad) times 3 (backward ≈ 2× forward: the input and weight gradients), the usual
+  convention for model FLOPs utilisation (MFU).
+- `mfu`: clips/s per GPU × FLOPs per clip / the GPU's dense bf16 peak (vendor datasheets), logged with
+  every metrics line on GPUs of a known peak.
+- `use_compile_cache`: inductor's caches (FX graphs, AOT autograd, Triton kernels) in a folder on the
+  shared filesystem, one per torch and CUDA version, so requeues, resubmits, shards and ranks load what
+  one of them compiled instead of compiling again (~40 s per start on an H100). The cache keys each
+  graph by its code, shapes and the compiler's settings: a changed model never reuses a stale entry.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+# Dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA datasheets; sparse figures are twice these).
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4,
+                    "A100": 312.0, "L40S": 362.1, "B200": 2250.0}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The device's dense bf16 peak in FLOP/s (None on CPUs, in fp32, or for a GPU not in the table)."""
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):  # "H100 PCIe" before "H100"
+        if key in name:
+            return PEAK_BF16_TFLOPS[key] * 1e12
+    return None
+
+
+@torch.no_grad()
+def model_flops_per_clip(module: torch.nn.Module, frames: int, height: int, width: int,
+                         device: torch.device, latent_channels: int) -> float:
+    """Training FLOPs of one clip: 3 × the forward's, counted on one clip (eval mode, no grad)."""
+    clip = torch.zeros(1, frames, 3, height, width, dtype=torch.uint8, device=device)
+    latents = torch.zeros(1, frames // 4, latent_channels, height // 8, width // 8, device=device)
+    was_training = module.training
+    module.eval()
+    try:
+        with FlopCounterMode(display=False) as counter:
+            module(clip, latents)
+    finally:
+        module.train(was_training)
+    return 3.0 * counter.get_total_flops()
+
+
+def mfu(clips_per_s_per_gpu: float, flops_per_clip: float, peak: float | None) -> float | None:
+    return round(clips_per_s_per_gpu * flops_per_clip / peak, 4) if peak else None
+
+
+def use_compile_cache(folder: str | os.PathLike | None) -> Path | None:
+    """Point inductor's caches at `folder/torch-<version>-cuda-<version>/` (set before the first compile).
+    A TORCHINDUCTOR_CACHE_DIR of the user's wins; torch's own default does not count as one (importing
+    diffusers, for one, makes torch write its default, the node's temporary folder, into the environment)."""
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if folder is None or (given and given != _default_inductor_cache()):
+        return None
+    key = re.sub(r"[^A-Za-z0-9.+_-]", "_", f"torch-{torch.__version__}-cuda-{torch.version.cuda or 'none'}")
+    path = Path(folder) / key
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only share: compile as before, in the node's temporary folder
+        return None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    return path
+
+
+def _default_inductor_cache() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # torch >= 2.6
+    except ImportError:
+        from torch._inductor.runtime.runtime_utils import default_cache_dir  # torch 2.4, 2.5
+    return default_cache_dir()

@@ -1,0 +1,153 @@
+"""A run never trains on garbage and never loops on a failure that will repeat (real Slurm testbed).
+
+Faults come from outside the task, as a cluster inflicts them:
+- `diverged`: the user's command with lr 0.5 — the loss is not finite from the second step;
+- `repeats`: a task that fails the same way at the same step in every attempt (as an OOM does);
+- `startup`: a missing dataset, found when the job starts;
+- `killed`: one rank's process is killed with SIGKILL (as the out-of-memory killer does);
+- `step_killed`: `scancel --signal=KILL JOB.0`, every process of the job step at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from taehv_slurm.handle import JobHandle
+from taehv_slurm.runtime.checkpoint import Checkpointer
+from taehv_slurm.runtime.runfiles import EventLog
+from taehv_slurm.submission import submit
+from taehv_slurm.training import submit_training
+from tests.helpers import REPO, cli, make_cluster, tiny_train, wait_done, wait_for
+from tests.tasks import CountingTask, FailsAtStep
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+
+
+def events(handle: JobHandle, kind: str) -> list[dict]:
+    return [e for e in EventLog(Path(handle.run_dir) / "events.jsonl").read() if e["event"] == kind]
+
+
+def rank_record(handle: JobHandle, rank: int) -> dict:
+    """The rank's record in the run folder ({} before it has written one)."""
+    try:
+        return json.loads((Path(handle.run_dir) / "ranks" / f"{rank}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+@dataclass
+class Jobs:
+    job_dir: Path
+    repeats: JobHandle
+    startup: JobHandle
+    killed: JobHandle
+    step_killed: JobHandle
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
+    job_dir = tmp_path_factory.mktemp("failures")
+    one = make_cluster(job_dir, nodes=1, gpus_per_node=1, time_min=10)
+    missing = tiny_train(steps=5, **{"data.source": "video", "data.path": str(job_dir / "no-videos")})
+    # The killed ones run until killed, then finish 20 steps after their restart.
+    until_killed = CountingTask(3000, step_s=0.1, steps_after_restart=20)
+    found = Jobs(job_dir=job_dir, repeats=submit(FailsAtStep(3), one, "repeats"),
+                 # the job's own start-up check, as where the login node cannot see the data
+                 startup=submit_training(dataclasses.replace(one, check_data_on_submit=False), missing,
+                                         "startup")[0],
+                 killed=submit(until_killed, one, "killed"),
+                 step_killed=submit(until_killed, one, "step-killed"))
+    try:
+        yield found
+    finally:
+        subprocess.run(["scancel", found.killed.job_id, found.step_killed.job_id], capture_output=True)
+
+
+def test_a_diverged_run_fails_in_one_line_and_never_saves_garbage(tmp_path: Path) -> None:
+    done = cli("jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--train",
+               "configs/train/tiny.yaml", "--set", "gpus_per_node=2", "--set", "optim.lr=0.5", "--set",
+               "steps=120", "--set", "intervals.ckpt_every=1", "--set", f"job_dir={tmp_path}", "--name",
+               "nan", "--follow", cwd=REPO, timeout=600)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 1 and len(errors) == 1, done.stdout[-3000:] + done.stderr
+    assert errors[0].startswith("error: DivergedError: step ")
+    assert "not finite in 3 steps in a row" in errors[0]
+    assert "lower optim.lr (now 0.5) or lengthen optim.warmup_steps" in errors[0]
+    run = tmp_path / "nan"
+    job = JobHandle.attach("nan", tmp_path)
+    assert wait_done(job.job_id, 60) == "FAILED"
+    assert f"the last checkpoint is step {Checkpointer(run / 'checkpoints').latest_step()}" in errors[0]
+    _, state, _ = Checkpointer(run / "checkpoints").load_latest()
+    assert all(bool(v.isfinite().all()) for v in state["params"].values())  # `latest` is never garbage
+    for line in (run / "metrics.jsonl").read_text().splitlines():  # strict JSON: null, never NaN
+        json.loads(line, parse_constant=lambda token: pytest.fail(f"{token} in metrics.jsonl"))
+    assert not [e for e in events(job, "failure") if not e.get("fatal")]  # one recorded stop, no requeue
+    assert not events(job, "requeue")
+
+    # A checkpoint that does hold non-finite weights (written by hand here) is never exported.
+    _, state, meta = Checkpointer(run / "checkpoints").load_latest()
+    name = next(iter(state["params"]))
+    state["params"][name][0] = math.nan
+    Checkpointer(tmp_path / "poisoned" / "checkpoints").save(state, 1, meta)
+    refused = cli("jobs.export", str(tmp_path / "poisoned"), "--out", str(tmp_path / "x.pth"), cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        f"error: checkpoint step 1 holds non-finite weights (1 tensor(s), e.g. {name}): the run diverged; "
+        "export an earlier checkpoint (its checkpoints/step_N folder)")
+    assert not (tmp_path / "x.pth").exists()
+
+
+def test_a_failure_that_repeats_stops_after_two_attempts(jobs: Jobs) -> None:
+    handle = jobs.repeats
+    assert wait_done(handle.job_id, 300) == "FAILED", handle.tail(40)
+    assert len(events(handle, "start")) == 2
+    (stopped,) = events(handle, "stopped")
+    assert stopped["reason"].startswith("the same failure ended two attempts in a row (MemoryError: CUDA out "
+                                        "of memory. Tried to allocate 2.00 GiB), so another would end the "
+                                        "same way")
+    assert handle.summary()["note"] == stopped["reason"]
+
+
+def test_a_start_up_failure_is_not_retried(jobs: Jobs) -> None:
+    handle = jobs.startup
+    assert wait_done(handle.job_id, 300) == "FAILED", handle.tail(40)
+    assert not events(handle, "start") and not events(handle, "requeue")
+    assert handle.error.startswith("ValueError: video folder ") and "does not exist" in handle.error
+
+
+def test_a_killed_rank_is_named_and_the_job_retries_on_another_node(jobs: Jobs) -> None:
+    handle = jobs.killed
+    wait_for(lambda: (rank_record(handle, 0).get("step") or 0) >= 5, 180, "the job to train")
+    first = rank_record(handle, 0)
+    os.kill(first["pid"], signal.SIGKILL)  # as the kernel's out-of-memory killer does: one process
+    assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)
+    (killed,) = events(handle, "killed")
+    assert (killed["ranks"], killed["hosts"], killed["signal_name"]) == ([0], [first["host"]], "SIGKILL")
+    assert killed["detail"].startswith(f"rank 0 on {first['host']} was killed by SIGKILL")
+    (requeue,) = events(handle, "requeue")
+    assert requeue["reason"] == "killed" and requeue["excluded"] == [first["host"]]
+    assert events(handle, "start")[-1]["host"] != first["host"]  # the next attempt ran elsewhere
+    assert f"rank 0 on {first['host']} was killed by SIGKILL" in handle.summary()["note"]
+
+
+def test_a_job_step_killed_from_outside_names_the_signal_rank_and_host(jobs: Jobs) -> None:
+    handle = jobs.step_killed
+    wait_for(lambda: (rank_record(handle, 0).get("step") or 0) >= 5, 180, "the job to train")
+    host = rank_record(handle, 0)["host"]
+    subprocess.run(["scancel", "--signal=KILL", f"{handle.job_id}.0"], check=True)
+    wait_for(lambda: events(handle, "killed"), 120, "the kill to be recorded")
+    (killed,) = events(handle, "killed")
+    assert (killed["ranks"], killed["hosts"], killed["signal"]) == ([0], [host], signal.SIGKILL)
+    status = cli("jobs.status", handle.job_id, "--job-dir", str(handle.job_dir), "--format", "json")
+    (row,) = json.loads(status.stdout)
+    assert f"rank 0 on {host} was killed by SIGKILL" in row["note"]
+    assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)

@@ -1,0 +1,135 @@
+"""Left alone for a night (real Slurm testbed, 3 nodes; faults inflicted from outside the job):
+
+- `hung`: one rank of a 2-node training gets SIGSTOP mid-run. Every other rank then waits in the gradient
+  all-reduce; the watchdogs find it within max(60 s, 5 × the slowest step), write the bundle, and the job
+  restarts without that node from its last checkpoint and completes.
+- `slowed`: one rank of a long training is slowed by a SIGSTOP/SIGCONT duty cycle: it is named slow, the
+  job goes on training (no hang, no requeue), and is then cancelled.
+- the clean runs of this suite name no slow rank and find no hang (checked on `slowed`'s peer run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from taehv_slurm.handle import JobHandle
+from taehv_slurm.runtime.runfiles import EventLog
+from taehv_slurm.training import submit_training
+from tests.helpers import make_cluster, metrics, tiny_train, wait_done, wait_for
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+STEADY = {"intervals.log_every": 2, "intervals.ckpt_every": 10, "intervals.val_every": 10_000}
+
+
+def events(handle: JobHandle, kind: str) -> list[dict]:
+    return [e for e in EventLog(Path(handle.run_dir) / "events.jsonl").read() if e["event"] == kind]
+
+
+def rank_record(handle: JobHandle, rank: int) -> dict:
+    """The rank's record in the run folder ({} before it has written one)."""
+    try:
+        return json.loads((Path(handle.run_dir) / "ranks" / f"{rank}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+@dataclass
+class Jobs:
+    hung: JobHandle
+    slowed: JobHandle
+    clean: JobHandle
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
+    job_dir = tmp_path_factory.mktemp("hangs")
+    two_nodes = make_cluster(job_dir, nodes=2, gpus_per_node=1, time_min=20)
+    one_node = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=20)
+    found = Jobs(hung=submit_training(two_nodes, tiny_train(steps=120, **STEADY), "hung")[0],
+                 slowed=submit_training(one_node, tiny_train(steps=100_000, **STEADY), "slowed")[0],
+                 clean=submit_training(one_node, tiny_train(steps=60, **STEADY), "clean")[0])
+    try:
+        yield found
+    finally:
+        for handle in (found.hung, found.slowed, found.clean):
+            handle.cancel()
+
+
+def test_a_stopped_rank_is_found_named_and_left_behind(jobs: Jobs) -> None:
+    handle = jobs.hung
+    wait_for(lambda: (rank_record(handle, 1).get("step") or 0) >= 25, 300, "training past a checkpoint")
+    victim = rank_record(handle, 1)
+    stopped_at = time.monotonic()
+    os.kill(victim["pid"], signal.SIGSTOP)  # a stuck GPU, a dead NFS mount: the process makes no progress
+    (hang,) = wait_for(lambda: events(handle, "hang"), 300, "the hang to be found")
+    found_after = time.monotonic() - stopped_at
+    rows = [r for r in metrics(handle.run_dir) if "loss" in r]
+    slowest = max((b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(rows[1:], rows[2:]))
+    # detected within its timeout, plus one heartbeat (5 s) to notice and a few seconds of margin
+    assert found_after <= max(60, 5 * slowest) + 5 + 10, (found_after, slowest)
+    assert (hang["ranks"], hang["hosts"]) == ([1], [victim["host"]])
+    assert hang["detail"].startswith(f"hang: rank 1 on {victim['host']} stopped (no sign of life for ")
+    bundle = Path(hang["bundle"])
+    assert (bundle / "verdict.txt").read_text().strip() == hang["detail"]
+    stacks = (bundle / "stacks-rank-0.txt").read_text()
+    assert "Thread" in stacks and "all_reduce" in stacks  # rank 0 waited in the gradient all-reduce
+    (requeue,) = wait_for(lambda: events(handle, "requeue"), 120, "the requeue after the verdict")
+    assert requeue["reason"] == "hang" and requeue["excluded"] == [victim["host"]]
+    assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
+    start = events(handle, "start")[-1]
+    assert victim["host"] not in {rank_record(handle, r)["host"] for r in (0, 1)}  # the next attempt's ranks
+    assert start["step"] == requeue["step"] and start["step"] >= 20  # resumed from its last checkpoint
+    kept = [r["step"] for r in metrics(handle.run_dir) if "loss" in r]
+    assert kept == [1, *range(2, 121, 2)]  # every logged step once: nothing lost beyond the checkpoint
+
+
+def test_a_slowed_rank_is_named_and_the_run_goes_on(jobs: Jobs) -> None:
+    handle = jobs.slowed
+    wait_for(lambda: (rank_record(handle, 1).get("step") or 0) >= 5, 300, "the job to train")
+    victim = rank_record(handle, 1)
+    done = threading.Event()
+
+    def duty_cycle() -> None:  # stopped about half of the time: its compute per step about doubles
+        while not done.is_set():
+            os.kill(victim["pid"], signal.SIGSTOP)
+            time.sleep(0.3)
+            os.kill(victim["pid"], signal.SIGCONT)
+            time.sleep(0.3)
+
+    cycling = threading.Thread(target=duty_cycle, daemon=True)
+    started = time.monotonic()
+    cycling.start()
+    try:
+        (slow,) = wait_for(lambda: events(handle, "slow_rank"), 300, "the slow rank to be named")
+    finally:
+        done.set()
+        cycling.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim["pid"], signal.SIGCONT)
+    assert time.monotonic() - started < 300
+    assert (slow["rank"], slow["host"]) == (1, victim["host"])
+    assert slow["detail"].startswith(f"rank 1 on {victim['host']}: ")
+    assert "% slower than the median" in slow["detail"]
+    assert [r for r in metrics(handle.run_dir) if r.get("slow_ranks")]  # named in metrics.jsonl too
+    named_at = max(r["step"] for r in metrics(handle.run_dir) if "loss" in r)
+    wait_for(lambda: (handle.last_step() or 0) >= named_at + 10, 300, "training to go on")  # report only
+    assert handle.state == "RUNNING"
+    assert not events(handle, "hang") and not events(handle, "requeue")
+    handle.cancel()
+
+
+def test_a_clean_run_names_no_slow_rank_and_finds_no_hang(jobs: Jobs) -> None:
+    handle = jobs.clean
+    assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
+    assert not events(handle, "slow_rank") and not events(handle, "hang")
+    assert not [r for r in metrics(handle.run_dir) if r.get("slow_ranks")]
