@@ -76,6 +76,19 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def events(handle: Any, kind: str | None = None) -> list[dict[str, Any]]:
+    """The events of a JobHandle's run folder (every job of it), of one kind if given."""
+    return [e for e in handle.events(run_wide=True) if kind is None or e["event"] == kind]
+
+
+def rank_record(handle: Any, rank: int) -> dict[str, Any]:
+    """The rank's record in the run folder ({} before it has written one)."""
+    try:
+        return json.loads((Path(handle.run_dir) / "ranks" / f"{rank}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
 def train_losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in metrics(run_dir) if "loss" in row}
 

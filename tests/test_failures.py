@@ -24,25 +24,12 @@ import pytest
 
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.checkpoint import Checkpointer
-from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
-from tests.helpers import REPO, cli, make_cluster, tiny_train, wait_done, wait_for
+from tests.helpers import REPO, cli, events, make_cluster, rank_record, tiny_train, wait_done, wait_for
 from tests.tasks import CountingTask, FailsAtStep
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
-
-
-def events(handle: JobHandle, kind: str) -> list[dict]:
-    return [e for e in EventLog(Path(handle.run_dir) / "events.jsonl").read() if e["event"] == kind]
-
-
-def rank_record(handle: JobHandle, rank: int) -> dict:
-    """The rank's record in the run folder ({} before it has written one)."""
-    try:
-        return json.loads((Path(handle.run_dir) / "ranks" / f"{rank}.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 @dataclass

@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -23,24 +22,11 @@ from pathlib import Path
 import pytest
 
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.training import submit_training
-from tests.helpers import make_cluster, metrics, tiny_train, wait_done, wait_for
+from tests.helpers import events, make_cluster, metrics, rank_record, tiny_train, wait_done, wait_for
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 STEADY = {"intervals.log_every": 2, "intervals.ckpt_every": 10, "intervals.val_every": 10_000}
-
-
-def events(handle: JobHandle, kind: str) -> list[dict]:
-    return [e for e in EventLog(Path(handle.run_dir) / "events.jsonl").read() if e["event"] == kind]
-
-
-def rank_record(handle: JobHandle, rank: int) -> dict:
-    """The rank's record in the run folder ({} before it has written one)."""
-    try:
-        return json.loads((Path(handle.run_dir) / "ranks" / f"{rank}.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 @dataclass

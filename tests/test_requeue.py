@@ -29,6 +29,7 @@ from taehv_slurm.training import submit_training
 from tests.helpers import (
     LOCAL_TASK_ENV,
     assert_identical,
+    events,
     final_state,
     last_step,
     make_cluster,
@@ -44,10 +45,6 @@ pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000,
          "batch.per_gpu": 2}
-
-
-def events(handle: JobHandle, kind: str) -> list[dict]:
-    return [e for e in EventLog(Path(handle.run_dir) / "events.jsonl").read() if e["event"] == kind]
 
 
 def sacct_states(handle: JobHandle) -> list[str]:

@@ -43,17 +43,11 @@ from taehv_slurm.backends import SlurmBackend
 from taehv_slurm.executor import make_executor
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.requeue import NotRequeueableError, RequeueableTask
-from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.submission import RunBusyError, submit
-from tests.helpers import REPO, make_cluster, tiny_train, wait_done, wait_for
+from tests.helpers import REPO, events, make_cluster, tiny_train, wait_done, wait_for
 from tests.tasks import CountingTask, NeverPolls, train_with_the_context
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
-
-
-def events(handle: JobHandle, kind: str | None = None) -> list[dict]:
-    found = EventLog(Path(handle.run_dir) / "events.jsonl").read()
-    return [e for e in found if kind is None or e["event"] == kind]
 
 
 def steps_done(run_dir: Path) -> list[int]:
