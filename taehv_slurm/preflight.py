@@ -26,7 +26,7 @@ from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_clu
 from taehv_slurm.executor import SubmissionError
 from taehv_slurm.plan import plan_for_cluster, taehv_param_count
 from taehv_slurm.runtime.smoke import SmokeTask
-from taehv_slurm.security import others_can_write
+from taehv_slurm.security import UnsafePathError, check_not_shared_writable
 
 
 @dataclasses.dataclass
@@ -164,10 +164,12 @@ class Preflight:
         # Nothing is left behind: a folder that does not exist yet is not created (the first submit does),
         # its nearest existing parent is probed instead, with a file that is removed again.
         probed = next(p for p in (job_dir, *job_dir.absolute().parents) if p.exists())
-        if probed == job_dir and (who := others_can_write(job_dir)):
-            self.add("checkpoint folder", "FAIL", f"{job_dir} can be written by {who}: submit refuses it; "
-                                                  "use a folder only you can write as job_dir")
-            return
+        if probed == job_dir:
+            try:
+                check_not_shared_writable(job_dir)  # submit's own refusal, in its words
+            except UnsafePathError as err:
+                self.add("checkpoint folder", "FAIL", str(err))
+                return
         try:
             with tempfile.NamedTemporaryFile(dir=probed, prefix=".preflight-") as probe:
                 probe.write(b"\0" * 2**20)

@@ -90,6 +90,17 @@ def test_missing_dataset(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_job_folder_others_can_write_fails_as_submit_would(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    runs.chmod(0o777)
+    code, rows, out = preflight(tmp_path)
+    assert code == 1, out
+    assert rows["checkpoint folder"][0] == "FAIL"
+    assert rows["checkpoint folder"][1].startswith(f"{runs} can be written by every user (mode 0777): ")
+    assert list(runs.iterdir()) == [] and oct(runs.stat().st_mode & 0o777) == oct(0o777)  # untouched
+
+
 def test_gres_cpus_and_memory_the_nodes_do_not_have(tmp_path: Path, slurm_cluster) -> None:
     code, rows, out = preflight(tmp_path, "--set", "gres=gpu:a100:2", "--set", "cpus_per_task=9",
                                 "--set", "mem_gb=64")
