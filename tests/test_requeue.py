@@ -20,6 +20,7 @@ from submitit.helpers import DelayedSubmission
 
 from taehv_slurm.backends import LocalBackend
 from taehv_slurm.handle import JobHandle
+from taehv_slurm.runtime.context import StopFlag, grace_seconds
 from taehv_slurm.runtime.controller import LOCAL_REQUEUE_EXIT_CODE
 from taehv_slurm.runtime.requeue import RequeueableTask
 from taehv_slurm.runtime.runfiles import EventLog
@@ -236,3 +237,21 @@ def test_signals_while_the_task_starts_are_kept_for_the_first_step_boundary(tmp_
     assert ((start["event"], requeue["event"], requeue["reason"], requeue["step"])
             == ("start", "requeue", "timeout", 0))
     assert requeue["signal_to_saved_s"] >= 1.0  # timed from the signal's arrival, not from the task's start
+
+
+def test_a_sigterm_after_the_time_limit_warning_brings_the_save_deadline_closer(capsys) -> None:
+    # USR2 comes SignalDelay before the limit; a SIGTERM after it means SIGKILL follows within KillWait,
+    # so the rank must give up by the SIGTERM's shorter grace, and the run still counts as a timeout.
+    stop = StopFlag(grace_seconds(signal_delay_s=120, kill_wait_s=30))
+    now = time.time()
+    stop.record(signal.SIGUSR2, now)
+    assert stop.reason == "timeout" and stop.deadline() == pytest.approx(now + 110)
+    stop.record(signal.SIGTERM, now + 5)
+    try:
+        assert stop.reason == "timeout" and stop.deadline() == pytest.approx(now + 5 + 25)
+        printed = capsys.readouterr().out
+        assert "caught SIGUSR2" in printed and "caught SIGTERM" in printed
+        stop.record(signal.SIGTERM, now + 6)  # a repeat changes nothing and says nothing
+        assert stop.deadline() == pytest.approx(now + 30) and capsys.readouterr().out == ""
+    finally:
+        stop.disarm()

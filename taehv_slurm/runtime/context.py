@@ -16,6 +16,7 @@ cannot save: the watchdog (`StopFlag`) says so in one line, records it, and ends
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -72,31 +73,40 @@ class StopFlag:
         self.on_give_up: Callable[[str], None] | None = None  # records why the rank gave up (rank 0)
         self._grace_s = grace_s
         self._watchdog: threading.Timer | None = None
+        self._deadline = math.inf  # when the watchdog ends this rank (set by the first signal)
+        self._armed_grace_s = 0.0  # the grace that deadline came from
 
     def handle(self, signum: int, _frame: Any = None) -> None:
         self.record(signum, time.time())
 
     def record(self, signum: int, at: float) -> None:
-        """A signal that arrived at time `at` (now, or while the task was starting)."""
+        """A signal that arrived at time `at` (now, or while the task was starting). Each signal that
+        raises the reason (preempted → timeout) or brings the watchdog's deadline closer is announced."""
         reason = "timeout" if signum == signal.SIGUSR2 else "preempted"
-        if self.reason is None or _REASON_CODES[reason] > _REASON_CODES[self.reason]:
+        deadline = at + self._grace_s[reason]
+        raises_reason = _REASON_CODES[reason] > _REASON_CODES[self.reason]
+        if raises_reason:
             self.reason = reason
         if self.signal_time is None:
             self.signal_time = at
-            print(f"[taehv] caught {signal.Signals(signum).name} on {socket.gethostname()}: "
-                  f"saving at the next step boundary ({reason})", flush=True)
+        elif not raises_reason and deadline >= self._deadline:
+            return
+        print(f"[taehv] caught {signal.Signals(signum).name} on {socket.gethostname()}: "
+              f"saving at the next step boundary ({self.reason})", flush=True)
+        if deadline < self._deadline:  # a SIGTERM after USR2: Slurm's SIGKILL comes sooner
             # If a peer died and a collective hangs, the save never comes: leave before SIGKILL does.
-            self._watchdog = threading.Timer(max(0.0, self._grace_s[reason] - (time.time() - at)),
-                                             self._give_up)
+            self._deadline, self._armed_grace_s = deadline, self._grace_s[reason]
+            self.disarm()
+            self._watchdog = threading.Timer(max(0.0, deadline - time.time()), self._give_up)
             self._watchdog.daemon = True
             self._watchdog.start()
 
     def deadline(self) -> float:
-        """When the watchdog ends this rank: the signal's arrival plus its grace."""
-        return (self.signal_time or time.time()) + self._grace_s[self.reason or "preempted"]
+        """When the watchdog ends this rank: the earliest signal's arrival plus its grace."""
+        return self._deadline if self.signal_time is not None else time.time() + self._grace_s["preempted"]
 
     def _give_up(self) -> None:
-        grace = self._grace_s[self.reason or "preempted"]
+        grace = self._armed_grace_s
         if self.saved_step is not None:
             why = (f"saved step {self.saved_step}, but the requeue was not settled within {grace:.0f} s "
                    "of the signal; "
