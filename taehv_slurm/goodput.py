@@ -46,9 +46,10 @@ def goodput_frame(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapp
     frame = pd.DataFrame(rows, columns=COLUMNS)
     total_alloc = float(frame["allocated_node_s"].sum()) if rows else 0.0
     total_prod = float(frame["productive_node_s"].fillna(0).sum()) if rows else 0.0
+    known = rows and frame["productive_node_s"].notna().all()  # else unknown, not 0: too few log lines
     frame.attrs.update(allocated_node_s=round(total_alloc, 1), productive_node_s=round(total_prod, 1),
                        lost_s=round(float(frame["lost_s"].fillna(0).sum()), 1) if rows else 0.0,
-                       ettr=round(total_prod / total_alloc, 4) if total_alloc else None)
+                       ettr=round(total_prod / total_alloc, 4) if total_alloc and known else None)
     return frame
 
 
@@ -65,19 +66,19 @@ def _attempt_row(start: Mapping[str, Any], later: Mapping[str, Any] | None,
     ended = ends[0]["time"] if ends else max([r["time"] for r in rows_in], default=start["time"])
     reached = max([start["step"], *(int(r["step"]) for r in rows_in),
                    *(int(e["step"]) for e in ends if isinstance(e.get("step"), int))])
-    step_s = _seconds_per_step(rows_in)
+    first = [e for e in window if e["event"] == "first_step"]
+    step_s = _seconds_per_step([{"step": e["step"], "time": e["time"]} for e in first[:1]] + rows_in)
     steps_kept = max(0, kept_until - start["step"])
     lost = max(0, reached - kept_until)
     node_s = allocated.get(int(start.get("restart_count", 0)), (ended - began) * nodes)
-    first = [e["seconds"] for e in window if e["event"] == "first_step"]
-    productive = steps_kept * step_s * nodes if step_s is not None else None
+    productive = 0.0 if not steps_kept else steps_kept * step_s * nodes if step_s is not None else None
     end = "running"
     if ends:
         end = ends[0]["event"] + (f" ({ends[0]['reason']})" if ends[0].get("reason") else "")
     return {"attempt": int(start.get("restart_count", 0)), "began": pd.Timestamp(began, unit="s", tz="UTC"),
             "ended": pd.Timestamp(ended, unit="s", tz="UTC"), "end": end, "nodes": nodes,
             "allocated_node_s": round(node_s, 1),
-            "time_to_first_step_s": round(first[0], 1) if first else None,
+            "time_to_first_step_s": round(first[0]["seconds"], 1) if first else None,
             "start_step": start["step"], "kept_until": kept_until, "steps_kept": steps_kept, "step_s": step_s,
             "productive_node_s": None if productive is None else round(productive, 1), "lost_steps": lost,
             "lost_s": None if step_s is None else round(lost * step_s, 1),
@@ -87,8 +88,8 @@ def _attempt_row(start: Mapping[str, Any], later: Mapping[str, Any] | None,
 
 
 def _seconds_per_step(rows: Sequence[Mapping[str, Any]]) -> float | None:
-    """The attempt's median seconds per step between its log lines (the first line, which holds the
-    compilation and warm-up, starts the count)."""
+    """The attempt's median seconds per step between its log lines and its first finished step (the
+    first of them, which holds the start-up and compilation, starts the count)."""
     paces = [(b["time"] - a["time"]) / (b["step"] - a["step"]) for a, b in zip(rows, rows[1:])
              if b["step"] > a["step"]]
     return round(statistics.median(paces), 4) if paces else None

@@ -364,13 +364,13 @@ class JobHandle:
 class LogFollower:
     """Prints a rank's log as it grows until the job ends; `position` is where it has read to, so a
     caller interrupted (Ctrl-C) can go on from there. A requeued job appends each run to the same log,
-    so following keeps going across requeues. hide_tracebacks: each traceback becomes one line naming
-    the log that holds it (for a caller that prints the error once at the end)."""
+    so following keeps going across requeues. hide_tracebacks: no tracebacks and no submitit notes, for
+    a caller that prints the error once at the end, naming the log that holds the full text."""
 
     def __init__(self, handle: JobHandle, rank: int = 0, position: int = 0,
                  hide_tracebacks: bool = False) -> None:
         self.handle, self.path, self.position = handle, handle.log_path(rank), position
-        self.filter = _TracebackFilter(self.path) if hide_tracebacks else None
+        self.filter = _TracebackFilter() if hide_tracebacks else None
 
     def run(self, out: TextIO | None = None, poll_s: float = 1.0) -> str:
         out = out or sys.stdout
@@ -398,15 +398,15 @@ class LogFollower:
 
 
 class _TracebackFilter:
-    """Log text with each Python traceback (chained ones too) replaced by one line that says where it is."""
+    """Log text without Python tracebacks (chained ones too) and without submitit's own notes (its INFO
+    lines, "Submitted job triggered an exception"): the caller prints the error once, with the log's path."""
 
     CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+    SUBMITIT_NOTES = ("submitit INFO (", "submitit DEBUG (")
 
-    def __init__(self, path: Path) -> None:
-        self.marker = f"[traceback hidden: the full text is in {path}]"
+    def __init__(self) -> None:
         self.pending = ""  # an incomplete last line
         self.inside = False
-        self.last = ""
 
     def feed(self, text: str) -> str:
         lines = (self.pending + text).split("\n")
@@ -414,18 +414,14 @@ class _TracebackFilter:
         kept = []
         for line in lines:
             if line.startswith("Traceback (most recent call last):") or line.startswith(self.CHAINED):
-                if not self.inside and self.last != self.marker:
-                    kept.append(self.marker)
-                    self.last = self.marker
                 self.inside = True
             elif self.inside and (line.startswith((" ", "\t")) or not line.strip()):
                 continue
             elif self.inside:
                 # the exception's own line ends the traceback (printed once by the caller)
                 self.inside = False
-            elif "Submitted job triggered an exception" in line:
-                continue  # submitit's own note of the same failure (once per handler)
-            elif line.strip() or self.last != self.marker:  # no blank line between chained tracebacks
+            elif line.startswith(self.SUBMITIT_NOTES) or "Submitted job triggered an exception" in line:
+                continue
+            else:
                 kept.append(line)
-                self.last = line
         return "".join(line + "\n" for line in kept)

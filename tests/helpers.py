@@ -44,7 +44,18 @@ def make_cluster(job_dir: Path, **overrides: Any) -> ClusterConfig:
 
 
 def tiny_train(**overrides: Any) -> TrainConfig:
+    """configs/train/tiny.yaml, what `taehv submit --local` trains: the distillation end to end."""
     return load_train(REPO / "configs/train/tiny.yaml", **overrides)
+
+
+# The tiny config without its teacher and at 32×32: a job of it costs about 2.5× less CPU (40 steps on
+# 2 ranks: 7.8 s against 19 s). For the tests of what happens around training (requeues, hangs,
+# failures, handles), not of the distillation itself.
+QUICK = {"teacher.kind": "none", "data.height": 32, "data.width": 32}
+
+
+def quick_train(**overrides: Any) -> TrainConfig:
+    return tiny_train(**{**QUICK, **overrides})
 
 
 # Launcher variables of the test process that a user's shell would not have.

@@ -63,6 +63,10 @@ def test_engine_trains_and_hands_its_state_to_every_other_engine(kind: str) -> N
             for name, value in state[key].items():
                 torch.testing.assert_close(moved[key][name], value, rtol=0, atol=0,
                                            msg=f"{kind}→{other} {key} {name}")
+        # the same weights reconstruct a clip alike (ZeRO-3 gathers its shards for the sample frames)
+        clip = batch(7).frames[:1]
+        torch.testing.assert_close(target.reconstruct(clip), source.reconstruct(clip), rtol=0, atol=1e-6,
+                                   msg=f"{kind}→{other} reconstruction")
         # and it keeps training from there: the next step is the same whichever engine takes it
         after = loss_of(target.train_step([batch(100), batch(101)], 1e-3))
         assert after == pytest.approx(source_next_loss(state), rel=1e-5)

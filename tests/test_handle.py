@@ -33,7 +33,7 @@ from taehv_slurm.reports import registry_frame
 from taehv_slurm.runs import runs_frame
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
-from tests.helpers import REPO, cli, in_terminal, make_cluster, tiny_train, wait_done, wait_for
+from tests.helpers import REPO, cli, in_terminal, make_cluster, quick_train, tiny_train, wait_done, wait_for
 from tests.tasks import CrashAfterStart
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -78,7 +78,7 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
     submitted = Jobs(
         job_dir=job_dir,
         train=submit_training(two, tiny_train(steps=TRAIN_STEPS, **steady), "observed")[0],
-        doomed=submit_training(one, tiny_train(steps=100_000, **{"intervals.log_every": 1}), "doomed")[0],
+        doomed=submit_training(one, quick_train(steps=100_000, **{"intervals.log_every": 1}), "doomed")[0],
         crash=submit(CrashAfterStart(),
                      make_cluster(job_dir, nodes=1, gpus_per_node=1, requeue_on_failure=False), "crash"),
     )

@@ -54,7 +54,12 @@ def test_a_failing_run_ends_failed_with_its_error_once(tmp_path: Path) -> None:
                  flags=("--skip-data-checks",))
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-2000:] + err[-2000:]
-    assert "ended: FAILED" in out and "Traceback" not in out + err
+    assert "Traceback" not in out + err
+    # what the terminal shows: where the run is, how it ended, and the error once (submitit's notes and
+    # the traceback stay in the log)
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines] == ["submitted", "logs:", "follow:", "status:", "job"], out
+    assert lines[-1].endswith("ended: FAILED")
     errors = err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith(f"error: ValueError: video folder "
                                                      f"'{tmp_path / 'no-videos'}' does not exist")
@@ -86,6 +91,11 @@ def test_status_running_then_cancel_saves_and_the_name_resumes(tmp_path: Path) -
     assert resumed.returncode == 0 and "ended: COMPLETED" in out, out[-2000:] + err[-2000:]
     assert f"resumed from step {saved}" in out
     assert train_steps(run_dir) == list(range(1, saved + 4))  # every step once, none lost
+    # The resumed job logged one line (its last step): its pace comes from its first step on, so its ETTR
+    # is known (it read 0 when it counted log lines only).
+    rows = json.loads(cli("jobs.status", "--job-dir", str(tmp_path), "--format", "json").stdout)
+    (resumed_row,) = [r for r in rows if r["run"] == "cancelled" and r["job_id"] != job_id]
+    assert 0 < resumed_row["ettr"] <= 1, resumed_row
 
 
 def test_ctrl_c_saves_like_a_preemption(tmp_path: Path) -> None:

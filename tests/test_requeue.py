@@ -104,6 +104,8 @@ def assert_one_tracker_run(run_dir: Path, attempts: int) -> None:
     attempt, the last one logging from where it resumed (a preempted attempt's W&B lines die with W&B's
     service process at Slurm's SIGTERM: taehv_slurm/trainer/trackers.py)."""
     from mlflow import MlflowClient  # the trackers extra: installed by scripts/setup.sh
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logged = [row["step"] for row in metrics(run_dir) if "loss" in row]
     ids = json.loads((run_dir / "trackers.json").read_text())
@@ -111,16 +113,25 @@ def assert_one_tracker_run(run_dir: Path, attempts: int) -> None:
     assert [f.name.rsplit("-", 1)[1] for f in folders] == [ids["wandb"]] * attempts
     resumed = [e["step"] for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
                if e["event"] == "start"][-1]
-    ((last_id, last_steps),) = offline_runs(run_dir)[-1:]
-    assert last_id == ids["wandb"] and last_steps == [s for s in logged if s > resumed], last_steps
+    (last,) = offline_runs(run_dir)[-1:]
+    assert last.run_id == ids["wandb"] and last.steps == [s for s in logged if s > resumed], last.steps
+    assert "val/sample" in last.keys  # the sample frames of the last validation
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the trainer reads its default store
         client = MlflowClient(ids["mlflow_tracking_uri"])
         (experiment,) = [e for e in client.search_experiments() if e.name == "taehv"]
         (run,) = client.search_runs([experiment.experiment_id])
         history = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+        images = [a.path for a in client.list_artifacts(run.info.run_id, "images") if a.path.endswith(".png")]
+        (image,) = images
+        sample = Image.open(client.download_artifacts(run.info.run_id, image, str(run_dir)))
     assert run.info.run_id == ids["mlflow"] and run.info.status == "FINISHED"
     assert history == logged
+    # val/sample at the one validation (the last step): 4 frames of a 64×64 clip above their reconstruction
+    assert image.startswith(f"images/val~sample+step+{logged[-1]}+") and sample.size == (4 * 64, 2 * 64)
+    tensorboard_events = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0}).Reload()
+    (tensorboard,) = tensorboard_events.Images("val/sample")
+    assert (tensorboard.step, tensorboard.width, tensorboard.height) == (logged[-1], 4 * 64, 2 * 64)
     assert run.data.params["steps"] == str(logged[-1]) and "optim.lr" in run.data.params  # the config
 
 

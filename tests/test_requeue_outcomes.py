@@ -44,7 +44,7 @@ from taehv_slurm.executor import make_executor
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.requeue import NotRequeueableError, RequeueableTask
 from taehv_slurm.submission import RunBusyError, submit
-from tests.helpers import REPO, events, make_cluster, tiny_train, wait_done, wait_for
+from tests.helpers import REPO, events, make_cluster, quick_train, wait_done, wait_for
 from tests.tasks import CountingTask, NeverPolls, train_with_the_context
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -256,7 +256,7 @@ def test_an_overwritten_checkpoint_is_found_once_and_the_run_resumes_before_it(c
 
     cluster = make_cluster(cases.job_dir, nodes=1, gpus_per_node=2, time_min=10)  # two ranks resume it
     steady = {"intervals.log_every": 1, "intervals.ckpt_every": 2, "intervals.keep_checkpoints": 3}
-    first = submit_training(cluster, tiny_train(steps=6, **steady), "damaged")[0]
+    first = submit_training(cluster, quick_train(steps=6, **steady), "damaged")[0]
     assert wait_done(first.job_id, 300) == "COMPLETED", first.tail(40)
     newest = Path(first.run_dir) / "checkpoints" / "step_00000006" / "state.pt"
     size = newest.stat().st_size
@@ -264,7 +264,7 @@ def test_an_overwritten_checkpoint_is_found_once_and_the_run_resumes_before_it(c
         f.seek(size // 2)
         f.write(os.urandom(4096))
     assert newest.stat().st_size == size
-    again = submit_training(cluster, tiny_train(steps=8, **steady), "damaged")[0]
+    again = submit_training(cluster, quick_train(steps=8, **steady), "damaged")[0]
     assert wait_done(again.job_id, 300) == "COMPLETED", again.tail(40)
     log = again.tail(200)
     assert ("checkpoint step 6 is damaged (state.pt does not match its checksum (overwritten since it was "

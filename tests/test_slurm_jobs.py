@@ -15,7 +15,7 @@ from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.submission import submit
 from taehv_slurm.trainer.task import TrainTask
 from taehv_slurm.training import submit_training
-from tests.helpers import REPO, final_state, make_cluster, metrics, tiny_train, wait_done
+from tests.helpers import REPO, final_state, make_cluster, metrics, quick_train, tiny_train, wait_done
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -28,7 +28,7 @@ def test_two_nodes_times_eight_tasks_through_make_executor(tmp_path: Path) -> No
     assert len(facts) == 16
     assert sorted(f["rank"] for f in facts) == list(range(16))
     hosts = {f["host"] for f in facts}
-    assert hosts == {"tb1", "tb2"}
+    assert len(hosts) == 2 and hosts <= {"tb1", "tb2", "tb3"}  # any two of the testbed's three nodes
     for host in hosts:
         assert sorted(f["local_rank"] for f in facts if f["host"] == host) == list(range(8))
     assert all(f["sum"] == 120.0 and f["world_size"] == 16 and f["source"] == "slurm" for f in facts)
@@ -58,7 +58,7 @@ def test_train_task_pickles() -> None:
 
 def test_tiny_training_on_two_nodes(tmp_path: Path) -> None:
     cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=2, time_min=20)
-    train = tiny_train(steps=30, **{"intervals.log_every": 5, "intervals.val_every": 30, "batch.per_gpu": 2})
+    train = quick_train(steps=30, **{"intervals.log_every": 5, "intervals.val_every": 30, "batch.per_gpu": 2})
     handle = submit_training(cluster, train, "two-nodes")[0]
     assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(40)
     results = handle.results()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 BLOCK, HEADER = 32768, 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
@@ -39,20 +40,28 @@ def records(path: Path) -> list[bytes]:
     return out
 
 
-def offline_runs(folder: Path) -> list[tuple[str, list[int]]]:
-    """(run id, history steps) of every offline run W&B wrote under `folder`/wandb, oldest first."""
+class OfflineRun(NamedTuple):
+    run_id: str | None
+    steps: list[int]  # of its history rows, in order
+    keys: set[str]  # every key logged in those rows (an image: its own key)
+
+
+def offline_runs(folder: Path) -> list[OfflineRun]:
+    """Every offline run W&B wrote under `folder`/wandb, oldest first."""
     from wandb.proto import wandb_internal_pb2
 
     found = []
     for path in sorted(Path(folder, "wandb").glob("offline-run-*/run-*.wandb")):
-        run_id, steps = None, []
+        run = OfflineRun(None, [], set())
         for raw in records(path):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(raw)
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                run_id = record.run.run_id
+                run = run._replace(run_id=record.run.run_id)
             elif kind == "history":
-                steps.append(record.history.step.num)
-        found.append((run_id, steps))
+                run.steps.append(record.history.step.num)
+                # an image is logged as nested keys under its own: ("val/sample", "_type"), ...
+                run.keys.update(item.key or item.nested_key[0] for item in record.history.item)
+        found.append(run)
     return found

@@ -36,6 +36,7 @@ from torch import nn
 
 from taehv_slurm.config import ConfigError, missing_engine_package
 from taehv_slurm.trainer.losses import DistillModule, summarize
+from taehv_slurm.trainer.teacher import to_unit
 
 
 class Microbatch(NamedTuple):
@@ -149,6 +150,17 @@ class Engine:
 
     def full_state(self) -> dict[str, Any]:
         raise NotImplementedError
+
+    @torch.no_grad()
+    def reconstruct(self, frames: torch.Tensor) -> torch.Tensor:
+        """The student's reconstruction of `frames` (N×T×3×H×W, uint8 or in [0, 1]), in [0, 1]. Every rank
+        calls it together: under ZeRO-3 the forward gathers each layer's weights from all ranks."""
+        self.module.eval()
+        x = to_unit(frames)
+        if self.module.compute_dtype is not None:
+            x = x.to(self.module.compute_dtype)
+        with _autocast(self.device, self.precision):
+            return self.student.decode_video(self.student.encode_video(x)).float()
 
     def load_full_state(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
@@ -325,6 +337,15 @@ class DeepSpeedEngine(Engine):
         self.ds.eval()
         _, m = self.ds(frames, teacher_latents)
         return summarize([m])
+
+    def reconstruct(self, frames: torch.Tensor) -> torch.Tensor:
+        if self.stage < 3:
+            return super().reconstruct(frames)
+        import deepspeed
+
+        # ZeRO-3 keeps a shard of each weight per rank; the model's fast paths read whole weights.
+        with deepspeed.zero.GatheredParameters(list(self.student.parameters())):
+            return super().reconstruct(frames)
 
     def full_state(self) -> dict[str, Any]:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state

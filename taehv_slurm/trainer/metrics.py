@@ -1,8 +1,8 @@
 """Rank 0's metrics and the numbers behind them.
 
 `LogWindow` sums a window of steps on the device (no host sync per step) and turns it into one log
-line's numbers; `MetricsWriter` writes them to metrics.jsonl (pandas reads it), TensorBoard and the
-progress display.
+line's numbers; `MetricsWriter` writes them to metrics.jsonl (pandas reads it), TensorBoard, the
+trackers and the progress display; `sample_grid` makes the validation's sample image.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -161,6 +162,13 @@ class MetricsWriter:
             log.info("%s step %d/%d %s", prefix, step, self.total, text)
         self.last_step = step
 
+    def write_image(self, step: int, tag: str, image: np.ndarray) -> None:
+        """An H×W×3 uint8 image at `step`: TensorBoard and the trackers."""
+        if self.enabled:
+            self.tb.add_image(tag, image, step, dataformats="HWC")
+            if self.trackers is not None:
+                self.trackers.log_image(step, tag, image)
+
     def write_samples(self, step: int, samples: list[int]) -> None:
         if self.enabled:
             with self.samples_path.open("a") as f:
@@ -179,6 +187,15 @@ class MetricsWriter:
         self.tb.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def sample_grid(frames: torch.Tensor, decoded: torch.Tensor, count: int) -> np.ndarray:
+    """`count` evenly spaced frames of one clip (T×3×H×W in [0, 1]) above the same frames of its
+    reconstruction, as one H×W×3 uint8 image (2 rows)."""
+    frames_kept = min(frames.shape[0], decoded.shape[0])  # the decoder drops the clip's padded end
+    picks = torch.linspace(0, frames_kept - 1, min(count, frames_kept)).round().long()
+    rows = [torch.cat(list(clip[picks].float().cpu().clamp(0, 1)), dim=-1) for clip in (frames, decoded)]
+    return (torch.cat(rows, dim=-2).permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
 
 
 def finite_or_none(value: Any) -> Any:

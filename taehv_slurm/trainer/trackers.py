@@ -66,6 +66,16 @@ class Trackers:
         if self.mlflow is not None:
             self._guarded("mlflow", lambda: self.mlflow.log(step, values))
 
+    def log_image(self, step: int, tag: str, image: Any) -> None:
+        """An H×W×3 uint8 image (numpy) at optimizer step `step`."""
+        if self.wandb is not None:
+            import wandb
+
+            self._guarded("wandb", lambda: self.wandb.log({tag: wandb.Image(image)}, step=step))
+        if self.mlflow is not None:
+            self._guarded("mlflow", lambda: self.mlflow.client.log_image(self.mlflow.run_id, image, key=tag,
+                                                                          step=step))
+
     def close(self, finished: bool) -> None:
         """End this attempt's logging; `finished`: the training run is complete (not a requeue)."""
         if self.wandb is not None:

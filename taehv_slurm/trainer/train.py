@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -45,13 +46,13 @@ from taehv_slurm.trainer.data import GlobalOrder, microbatches
 from taehv_slurm.trainer.divergence import DivergenceGuard
 from taehv_slurm.trainer.engine import Engine, Microbatch, make_engine
 from taehv_slurm.trainer.losses import DistillModule
-from taehv_slurm.trainer.metrics import LogWindow, MetricsWriter
+from taehv_slurm.trainer.metrics import LogWindow, MetricsWriter, sample_grid
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training, load_published_weights
 from taehv_slurm.trainer.rng import get_rng_state, seed_all, set_rng_state
 from taehv_slurm.trainer.schedule import lr_at
 from taehv_slurm.trainer.speed import mfu, model_flops_per_clip, peak_flops, use_compile_cache
 from taehv_slurm.trainer.stragglers import SlowRanks
-from taehv_slurm.trainer.teacher import load_teacher
+from taehv_slurm.trainer.teacher import load_teacher, to_unit
 from taehv_slurm.trainer.trackers import Trackers
 
 log = logging.getLogger("taehv")
@@ -221,6 +222,8 @@ class Trainer:
                 window.warned = True
         if step % plan.val_every == 0 or step == cfg.steps:
             self.metrics.write(step, self.validate(), prefix="val")
+            if cfg.tracking.sample_frames:
+                self.metrics.write_image(step, "val/sample", self.sample_image())
         # Not while steps are being skipped: a rollback needs the checkpoints from before them.
         if step % plan.ckpt_every == 0 and step < cfg.steps and not self.guard.consecutive:
             self.save(step, blocking=not cfg.intervals.async_checkpoint)
@@ -335,6 +338,11 @@ class Trainer:
             latents = None
         return frames, latents
 
+    def val_batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Validation clip `i` as a batch of one, on the device: (frames, teacher latents)."""
+        return self.to_device({k: (v.unsqueeze(0) if torch.is_tensor(v) else v)
+                               for k, v in self.val_source[i].items()})
+
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Mean PSNR/losses on the held-out clips; rank r takes clips r, r + world, r + 2·world, …"""
@@ -344,8 +352,7 @@ class Trainer:
         weights = [1.0] * len(mine) if mine else [0.0]
         totals, keys = None, []
         for i, weight in zip(mine or [0], weights):
-            batch = {k: (v.unsqueeze(0) if torch.is_tensor(v) else v) for k, v in self.val_source[i].items()}
-            m = self.engine.evaluate(*self.to_device(batch))
+            m = self.engine.evaluate(*self.val_batch(i))
             keys = list(m)
             vec = torch.tensor(list(m.values()), dtype=torch.float64) * weight
             totals = vec if totals is None else totals + vec
@@ -354,6 +361,13 @@ class Trainer:
             dist.all_reduce(packed)
         n = max(1.0, float(packed[-1]))
         return {k: float(v) / n for k, v in zip(keys, packed[:-1].tolist())}
+
+    def sample_image(self) -> np.ndarray | None:
+        """Rank 0: validation clip 0's frames above the student's reconstruction (every rank runs the
+        forward: ZeRO-3 gathers weights in it); None on the other ranks."""
+        frames = self.val_source[0]["frames"].to(self.device)
+        decoded = self.engine.reconstruct(frames.unsqueeze(0))[0]
+        return sample_grid(to_unit(frames), decoded, self.cfg.tracking.sample_frames) if self.main else None
 
     def save(self, step: int, blocking: bool) -> None:
         """Every rank takes part (ZeRO-3 gathers; RNG states are gathered); rank 0 writes. A state with a
