@@ -74,8 +74,10 @@ class Answer:
 
 def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False) -> Answer:
     """Run a Slurm command; its failure (missing binary, non-zero exit, timeout) becomes an Answer.
-    survive_term: the command ignores SIGTERM — for the commands a job runs on itself right after
-    `scontrol requeuehold`, whose SIGTERM to the job's processes would otherwise end them half-way."""
+    survive_term: the command ignores SIGTERM — for the commands a job runs on itself to requeue itself
+    (`scontrol requeue`, `requeuehold` and what follows it): Slurm's SIGTERM to the job's processes on
+    the requeue reaches them too, and would end them half-way (a requeue that happened, recorded as
+    failed with exit code -15: seen on the testbed)."""
     command = ["sh", "-c", 'trap "" TERM; exec "$0" "$@"', *argv] if survive_term else list(argv)
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
@@ -126,12 +128,14 @@ def job_info(job_id: str, timeout_s: float = 30, survive_term: bool = False) -> 
     return dict(re.findall(r"(\w+)=(\S*)", answer.output))
 
 
-def requeue(job_id: str, timeout_s: float = 60) -> Answer:
-    """`scontrol requeue JOB`: ok only when Slurm accepted it."""
+def requeue(job_id: str, timeout_s: float = 60, hold: bool = False, from_the_job: bool = False) -> Answer:
+    """`scontrol requeue JOB` (`requeuehold` with `hold`): ok only when Slurm accepted it. `from_the_job`:
+    the job requeues itself, so the command must outlive the SIGTERM the requeue sends (`run`)."""
     binary = scontrol()
     if binary is None:
         return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
-    return run([binary, "requeue", job_id], timeout_s=timeout_s)
+    return run([binary, "requeuehold" if hold else "requeue", job_id], timeout_s=timeout_s,
+               survive_term=from_the_job)
 
 
 def update_job(job_id: str, survive_term: bool = False, **fields: str) -> Answer:

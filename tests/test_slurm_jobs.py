@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from taehv_slurm import slurm
 from taehv_slurm.executor import SubmissionError, make_executor
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.submission import submit
@@ -115,3 +116,13 @@ def test_cli_errors_are_one_line(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "jobs.submit", "--nodes", "17", "--dry-run"],
                          capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "use at most 16 node(s) × 8" in out.stderr
+
+
+def test_the_commands_a_job_requeues_itself_with_outlive_the_requeues_sigterm() -> None:
+    # A job's own `scontrol requeue` is among the processes the requeue's SIGTERM reaches; it used to die
+    # with exit code -15 now and then, and a requeue that happened was recorded as failed (the time-limit
+    # test caught it). Here the SIGTERM comes from the command itself, mid-way, every time.
+    command = ["sh", "-c", "kill -TERM $$; echo answered"]
+    assert slurm.run(command, survive_term=True) == slurm.Answer(True, "answered\n")
+    killed = slurm.run(command)
+    assert not killed.ok and killed.error == "exit code -15"
