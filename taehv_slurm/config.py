@@ -381,9 +381,7 @@ class TrackingConfig:
     mlflow: bool = False
     mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else a file store in <run>/mlruns
     mlflow_experiment: str = "taehv"
-    # Frames of validation clip 0 above the student's reconstruction, one image per validation, to
-    # TensorBoard and the trackers (`val/sample`); 0: none.
-    sample_frames: int = 4
+    sample_frames: int = 4  # val/sample, to TensorBoard too: clip 0's frames over their reconstruction
 
 
 @dataclass
@@ -440,8 +438,7 @@ class TrainConfig:
             value = getattr(self.divergence, key)
             _check(value >= 1, source, f"divergence.{key} must be ≥ 1, got {value}")
         _check(self.divergence.max_rollbacks >= 0, source, "divergence.max_rollbacks must be ≥ 0")
-        _check(self.tracking.sample_frames >= 0, source,
-               f"tracking.sample_frames must be ≥ 0 (0: none), got {self.tracking.sample_frames}")
+        _check(self.tracking.sample_frames >= 0, source, "tracking.sample_frames must be ≥ 0 (0: none)")
         return self
 
 

@@ -116,6 +116,8 @@ class MetricsWriter:
         self.total = total
         if enabled:
             self._open(start_step)
+            if trackers is not None:
+                self._replay_to_trackers()
 
     def _open(self, start_step: int) -> None:
         """Drop what was logged past `start_step` (work that was not kept) and open the writers there."""
@@ -147,9 +149,7 @@ class MetricsWriter:
                **({f"val_{k}": v for k, v in values.items()} if prefix == "val" else values)}
         with self.path.open("a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")  # strict JSON: a non-finite value is null
-        scalars = {f"val/{key}" if prefix == "val" else self.TB_TAGS.get(key, f"train/{key}"): value
-                   for key, value in values.items()
-                   if isinstance(value, int | float) and not isinstance(value, bool)}  # not None, not lists
+        scalars = self.tagged(values, prefix)
         for tag, value in scalars.items():
             self.tb.add_scalar(tag, value, step)
         if self.trackers is not None:
@@ -161,6 +161,23 @@ class MetricsWriter:
         else:
             log.info("%s step %d/%d %s", prefix, step, self.total, text)
         self.last_step = step
+
+    @classmethod
+    def tagged(cls, values: Mapping[str, Any], prefix: str = "train") -> dict[str, float]:
+        """A metrics line's numbers by TensorBoard/tracker tag ("train/loss", "val/psnr", "lr", ...)."""
+        return {f"val/{key}" if prefix == "val" else cls.TB_TAGS.get(key, f"train/{key}"): value
+                for key, value in values.items()
+                if isinstance(value, int | float) and not isinstance(value, bool)}  # not None, not lists
+
+    def _replay_to_trackers(self) -> None:
+        """Hand the trackers the lines this run kept before this attempt (Trackers.replay: W&B's service
+        dies with a preempted attempt, and that attempt's unsent lines with it)."""
+        lines = []
+        for row in map(json.loads, self.path.read_text().splitlines() if self.path.exists() else []):
+            val = {k.removeprefix("val_"): v for k, v in row.items() if k.startswith("val_")}
+            values = val or {k: v for k, v in row.items() if k not in ("step", "time")}
+            lines.append((row["step"], self.tagged(values, "val" if val else "train")))
+        self.trackers.replay(lines)
 
     def write_image(self, step: int, tag: str, image: np.ndarray) -> None:
         """An H×W×3 uint8 image at `step`: TensorBoard and the trackers."""

@@ -7,11 +7,12 @@ of a training run here, so it is also the tracker run's. Turned on in the train 
 packages from the `trackers` extra.
 
 W&B resumes with `id=<kept id>, resume="allow"`: online the steps continue in one run; offline each
-attempt writes an `offline-run-*-<id>` folder under `<run>/wandb/` and `wandb sync` merges them into one
-run. W&B logs through a service process of its own, which Slurm's SIGTERM at a preemption ends with the
-job's other processes: that attempt's W&B lines are lost (seen on the testbed: its offline file stays
-empty), while metrics.jsonl, TensorBoard and MLflow keep every step. A tracker that fails is dropped for
-the attempt with one warning; it never stops training or its save.
+attempt writes an `offline-run-*-<id>` folder under `<run>/wandb/`. W&B logs through a service process of
+its own, which Slurm's SIGTERM at a preemption ends with the job's other processes, and the lines it had
+not sent are lost (on the testbed a preempted attempt's offline file stays empty). So every attempt
+first logs again what metrics.jsonl kept from before it (`Trackers.replay`): the run's W&B history is
+whole once an attempt finishes. A tracker that fails is dropped for the attempt with one warning; it
+never stops training or its save.
 
 MLflow logs to `tracking.mlflow_tracking_uri` (or $MLFLOW_TRACKING_URI), else to a file store in
 `<run>/mlruns` (`mlflow ui --backend-store-uri <run>/mlruns`); the run is marked FINISHED when training
@@ -65,6 +66,23 @@ class Trackers:
             self._guarded("wandb", lambda: self.wandb.log(dict(values), step=step))
         if self.mlflow is not None:
             self._guarded("mlflow", lambda: self.mlflow.log(step, values))
+
+    def replay(self, lines: list[tuple[int, Mapping[str, float]]]) -> None:
+        """The run's metrics lines from before this attempt (metrics.jsonl keeps each once), again to W&B:
+        its service process dies with a preempted attempt, and the lines it had not sent die with it;
+        no later attempt can tell which. Online, lines below the resumed run's step (what the server
+        has) are skipped; offline, each attempt's folder holds the whole history from step 1, so the
+        newest folder alone is the run (`wandb sync` it). MLflow writes each line as it is logged."""
+        if self.wandb is None:
+            return
+        resumed_at = self.wandb.step  # online: the server's next step of this run; offline: 0
+
+        def log_all() -> None:
+            for step, values in lines:
+                if step >= resumed_at:
+                    self.wandb.log(dict(values), step=step)
+
+        self._guarded("wandb", log_all)
 
     def log_image(self, step: int, tag: str, image: Any) -> None:
         """An H×W×3 uint8 image (numpy) at optimizer step `step`."""
