@@ -375,6 +375,24 @@ def test_conv_flops_match_flop_counter_on_meta_device(monkeypatch: pytest.Monkey
     assert analytic["decoder"] == pytest.approx(1.41e12 - 0.0447e12, rel=0.01)
 
 
+def test_the_mfu_flop_count_on_fake_tensors_is_a_real_forwards_count() -> None:
+    # What every attempt counts before its first step (no device time or memory) against what a real
+    # forward of one clip counts, for the tiny config's shape.
+    from taehv_slurm.trainer.losses import DistillModule
+    from taehv_slurm.trainer.speed import model_flops_per_clip
+
+    torch.manual_seed(0)
+    module = DistillModule(TAEHV(TAEHVConfig(encoder_width=16, decoder_widths=[32, 32, 16, 16])))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        module.eval()(torch.zeros(1, 8, 3, 64, 64, dtype=torch.uint8), torch.zeros(1, 2, 16, 8, 8))
+    module.train()
+    forward, inputs = module.forward, []
+    module.forward = lambda clip, latents: (inputs.append(type(clip).__name__), forward(clip, latents))[1]
+    counted = model_flops_per_clip(module, 8, 64, 64, torch.device("cpu"), latent_channels=16)
+    assert counted == 3.0 * counter.get_total_flops() > 0 and module.training
+    assert inputs == ["FakeTensor"]  # counted on shapes, not by the real forward it falls back to
+
+
 def test_conv_flops_pad_frames_and_scale_with_area() -> None:
     cfg = TAEHVConfig()
     f12 = conv_flops_per_clip(cfg, 12, 64, 64)

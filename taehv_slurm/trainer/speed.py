@@ -1,8 +1,8 @@
 """How fast the job runs against what the hardware allows, and compiling once for every attempt.
 
 - `model_flops_per_clip`: the student's training FLOPs per clip, counted by torch's FlopCounterMode on one
-  clip's forward (no grad) times 3 (backward ≈ 2× forward: the input and weight gradients), the usual
-  convention for model FLOPs utilisation (MFU).
+  clip's forward (no grad, fake tensors) times 3 (backward ≈ 2× forward: the input and weight gradients),
+  the usual convention for model FLOPs utilisation (MFU).
 - `mfu`: clips/s per GPU × FLOPs per clip / the GPU's dense bf16 peak (vendor datasheets), logged with
   every metrics line on GPUs of a known peak.
 - `use_compile_cache`: inductor's caches (FX graphs, AOT autograd, Triton kernels) in a folder on the
@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -39,17 +40,27 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 @torch.no_grad()
 def model_flops_per_clip(module: torch.nn.Module, frames: int, height: int, width: int,
                          device: torch.device, latent_channels: int) -> float:
-    """Training FLOPs of one clip: 3 × the forward's, counted on one clip (eval mode, no grad)."""
-    clip = torch.zeros(1, frames, 3, height, width, dtype=torch.uint8, device=device)
-    latents = torch.zeros(1, frames // 4, latent_channels, height // 8, width // 8, device=device)
+    """Training FLOPs of one clip: 3 × the forward's, counted on one clip (eval mode, no grad) of fake
+    tensors: shapes only, no device time or memory (a real full-size forward, which this falls back to
+    should a layer not run on fake tensors, took both before the first step of every attempt)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def count(fake: bool) -> float:
+        with FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext():
+            clip = torch.zeros(1, frames, 3, height, width, dtype=torch.uint8, device=device)
+            latents = torch.zeros(1, frames // 4, latent_channels, height // 8, width // 8, device=device)
+            with FlopCounterMode(display=False) as counter:
+                module(clip, latents)
+        return 3.0 * counter.get_total_flops()
+
     was_training = module.training
     module.eval()
     try:
-        with FlopCounterMode(display=False) as counter:
-            module(clip, latents)
+        return count(fake=True)
+    except Exception:  # noqa: BLE001 - an op without a fake-tensor rule: count it the slow way
+        return count(fake=False)
     finally:
         module.train(was_training)
-    return 3.0 * counter.get_total_flops()
 
 
 def mfu(clips_per_s_per_gpu: float, flops_per_clip: float, peak: float | None) -> float | None:
