@@ -78,7 +78,8 @@ def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False) 
     (`scontrol requeue`, `requeuehold` and what follows it): Slurm's SIGTERM to the job's processes on
     the requeue reaches them too, and would end them half-way (a requeue that happened, recorded as
     failed with exit code -15: seen on the testbed)."""
-    command = ["sh", "-c", 'trap "" TERM; exec "$0" "$@"', *argv] if survive_term else list(argv)
+    # /bin/sh by its path: a job's setup lines may have replaced PATH (scontrol's own path was kept)
+    command = ["/bin/sh", "-c", 'trap "" TERM; exec "$0" "$@"', *argv] if survive_term else list(argv)
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError:
