@@ -162,7 +162,7 @@ class SlurmBackend(Backend):
                 reason = "timeout"  # SIGTERM at the time limit: the warning never came (signal_delay_s)
             elif info.get("JobState") in ("COMPLETING", "CANCELLED"):
                 return Outcome("cancelled", {"reason": "cancelled"})
-        answer = slurm.requeue(job_id, timeout_s=max(1.0, deadline - time.time()), from_the_job=True)
+        answer = slurm.requeue(job_id, timeout_s=max(1.0, deadline - time.time()), survive_term=True)
         if answer.ok:
             return Outcome("requeue", {"reason": reason, "by": "self", "seconds_lost": 0.0})
         return Outcome("requeue_failed", {"reason": reason, "error": f"scontrol requeue: {answer.error}",
@@ -171,7 +171,7 @@ class SlurmBackend(Backend):
     def requeue_after_failure(self, job_id: str, exclude: Sequence[str] = ()) -> Outcome:
         if exclude:
             return self._requeue_excluding(job_id, exclude)
-        answer = slurm.requeue(job_id, from_the_job=True)
+        answer = slurm.requeue(job_id, survive_term=True)
         if answer.ok:
             return Outcome("requeue", {"by": "self"})
         return Outcome("requeue_failed", {"error": f"scontrol requeue: {answer.error}",
@@ -188,7 +188,7 @@ class SlurmBackend(Backend):
         before = slurm.expand_hosts(info.get("ExcNodeList"))
         room = slurm.partition_size(info.get("Partition", "")) - int(info.get("NumNodes") or 1) - len(before)
         wanted = [n for n in dict.fromkeys(nodes) if n not in before][: max(0, room)]
-        answer = slurm.requeue(job_id, hold=True, from_the_job=True)
+        answer = slurm.requeue(job_id, hold=True, survive_term=True)
         if not answer.ok:
             return Outcome("requeue_failed", {"error": f"scontrol requeuehold: {answer.error}",
                                               "fix": slurm.requeue_fix(answer.error)})
@@ -196,8 +196,7 @@ class SlurmBackend(Backend):
         # commands that finish the exclusion ignore it too.
         update = (slurm.update_job(job_id, survive_term=True, ExcNodeList=",".join(before + wanted))
                   if wanted else None)
-        released = slurm.run([slurm.scontrol() or "scontrol", "release", job_id], timeout_s=60,
-                             survive_term=True)
+        released = slurm.run_scontrol("release", job_id, survive_term=True)
         after = slurm.job_info(job_id, survive_term=True)
         excluded = slurm.expand_hosts(after.get("ExcNodeList")) if isinstance(after, dict) else []
         fields: dict[str, Any] = {"by": "self", "excluded": excluded, "excluded_now": [n for n in wanted

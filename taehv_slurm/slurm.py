@@ -118,34 +118,33 @@ def squeue_state(job_id: str) -> str | None:
     return states[0] if states else None
 
 
-def job_info(job_id: str, timeout_s: float = 30, survive_term: bool = False) -> dict[str, str] | Answer:
-    """`scontrol show job -o` as {JobState, Reason, Restarts, EndTime, ...}, or the failed Answer."""
+def run_scontrol(*args: str, timeout_s: float = 60, survive_term: bool = False) -> Answer:
+    """`scontrol ARGS` with the scontrol found when the job started (`scontrol()`); see `run`."""
     binary = scontrol()
     if binary is None:
         return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
-    answer = run([binary, "show", "job", "-o", job_id], timeout_s=timeout_s, survive_term=survive_term)
+    return run([binary, *args], timeout_s=timeout_s, survive_term=survive_term)
+
+
+def job_info(job_id: str, timeout_s: float = 30, survive_term: bool = False) -> dict[str, str] | Answer:
+    """`scontrol show job -o` as {JobState, Reason, Restarts, EndTime, ...}, or the failed Answer."""
+    answer = run_scontrol("show", "job", "-o", job_id, timeout_s=timeout_s, survive_term=survive_term)
     if not answer.ok:
         return answer
     return dict(re.findall(r"(\w+)=(\S*)", answer.output))
 
 
-def requeue(job_id: str, timeout_s: float = 60, hold: bool = False, from_the_job: bool = False) -> Answer:
-    """`scontrol requeue JOB` (`requeuehold` with `hold`): ok only when Slurm accepted it. `from_the_job`:
-    the job requeues itself, so the command must outlive the SIGTERM the requeue sends (`run`)."""
-    binary = scontrol()
-    if binary is None:
-        return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
-    return run([binary, "requeuehold" if hold else "requeue", job_id], timeout_s=timeout_s,
-               survive_term=from_the_job)
+def requeue(job_id: str, timeout_s: float = 60, hold: bool = False, survive_term: bool = False) -> Answer:
+    """`scontrol requeue JOB` (`requeuehold` with `hold`): ok only when Slurm accepted it. A job that
+    requeues itself passes `survive_term`: the command must outlive the SIGTERM the requeue sends."""
+    return run_scontrol("requeuehold" if hold else "requeue", job_id, timeout_s=timeout_s,
+                        survive_term=survive_term)
 
 
 def update_job(job_id: str, survive_term: bool = False, **fields: str) -> Answer:
     """`scontrol update JobId=JOB KEY=VALUE ...` (e.g. ExcNodeList of a pending job)."""
-    binary = scontrol()
-    if binary is None:
-        return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
-    return run([binary, "update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items())], timeout_s=60,
-               survive_term=survive_term)
+    return run_scontrol("update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items()),
+                        survive_term=survive_term)
 
 
 def expand_hosts(text: str | None) -> list[str]:

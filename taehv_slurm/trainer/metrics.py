@@ -116,7 +116,7 @@ class MetricsWriter:
         self.total = total
         if enabled:
             self._open(start_step)
-            if trackers is not None:
+            if trackers is not None and trackers.wants_replay:
                 self._replay_to_trackers()
 
     def _open(self, start_step: int) -> None:

@@ -67,13 +67,18 @@ class Trackers:
         if self.mlflow is not None:
             self._guarded("mlflow", lambda: self.mlflow.log(step, values))
 
+    @property
+    def wants_replay(self) -> bool:
+        """Whether `replay` does anything: W&B is on (MLflow keeps every line as it is logged)."""
+        return self.wandb is not None
+
     def replay(self, lines: list[tuple[int, Mapping[str, float]]]) -> None:
         """The run's metrics lines from before this attempt (metrics.jsonl keeps each once), again to W&B:
         its service process dies with a preempted attempt, and the lines it had not sent die with it;
         no later attempt can tell which. Online, lines below the resumed run's step (what the server
         has) are skipped; offline, each attempt's folder holds the whole history from step 1, so the
         newest folder alone is the run (`wandb sync` it). MLflow writes each line as it is logged."""
-        if self.wandb is None:
+        if not self.wants_replay:
             return
         resumed_at = self.wandb.step  # online: the server's next step of this run; offline: 0
 

@@ -338,11 +338,6 @@ class Trainer:
             latents = None
         return frames, latents
 
-    def val_batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Validation clip `i` as a batch of one, on the device: (frames, teacher latents)."""
-        return self.to_device({k: (v.unsqueeze(0) if torch.is_tensor(v) else v)
-                               for k, v in self.val_source[i].items()})
-
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Mean PSNR/losses on the held-out clips; rank r takes clips r, r + world, r + 2·world, …"""
@@ -352,7 +347,8 @@ class Trainer:
         weights = [1.0] * len(mine) if mine else [0.0]
         totals, keys = None, []
         for i, weight in zip(mine or [0], weights):
-            m = self.engine.evaluate(*self.val_batch(i))
+            batch = {k: (v.unsqueeze(0) if torch.is_tensor(v) else v) for k, v in self.val_source[i].items()}
+            m = self.engine.evaluate(*self.to_device(batch))
             keys = list(m)
             vec = torch.tensor(list(m.values()), dtype=torch.float64) * weight
             totals = vec if totals is None else totals + vec
