@@ -74,12 +74,14 @@ def make_teacher(folder: Path, tiny: bool) -> None:
     vae.to(torch.bfloat16).save_pretrained(str(folder))
 
 
-def local_cluster(work: Path, on_gpu: bool, cpus: int) -> Path:
-    """A 1-GPU (or, on the CPU, 1-rank) local cluster config, as a user with one GPU writes it."""
-    path = work / "one_gpu.yaml"
+def local_cluster(work: Path, on_gpu: bool, cpus: int, watched: bool = True) -> Path:
+    """A 1-GPU (or, on the CPU, 1-rank) local cluster config, as a user with one GPU writes it; `watched`
+    False turns the hang watchdog and the slow-rank timing off (the A/B of their cost)."""
+    path = work / ("one_gpu.yaml" if watched else "one_gpu_unwatched.yaml")
     path.write_text(f"backend: local\nnodes: 1\ngpus_per_node: {1 if on_gpu else 0}\ntasks_per_node: 1\n"
                     f"cpus_per_task: {cpus}\ndevice: {'cuda' if on_gpu else 'cpu'}\ntime_min: 600\n"
-                    f"signal_delay_s: 60\njob_dir: {work / 'runs'}\n")
+                    f"signal_delay_s: 60\njob_dir: {work / 'runs'}\n"
+                    + ("" if watched else "hang_detection: false\nslow_rank_windows: 0\n"))
     return path
 
 
@@ -189,6 +191,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cpus", type=int, default=12, help="cpus_per_task of the 1-GPU cluster config")
     p.add_argument("--isolated-steps", type=int, default=5, help="0: skip the isolated step")
     p.add_argument("--timeout", type=float, default=900, help="seconds per CLI run")
+    p.add_argument("--watchers-ab", type=int, default=0, metavar="PAIRS",
+                   help="per source, PAIRS runs with the hang watchdog and slow-rank timing on and off, "
+                        "alternating (their overhead); 0: one run, watchers on as shipped")
     p.add_argument("--smoke", action="store_true", help="CPU, 8×64×64 clips, a tiny teacher, 3 steps")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -239,6 +244,30 @@ def measure_source(source: str, args: argparse.Namespace, work: Path, prepared: 
                                                     args.isolated_steps)
         if "clips_per_s" in row:
             row["ratio"] = row["clips_per_s"] / row["isolated_clips_per_s"]
+    return row
+
+
+def watchers_ab(source: str, args: argparse.Namespace, work: Path, prepared: Path, spec: ClipSpec,
+                device: torch.device) -> dict[str, Any]:
+    """`--watchers-ab` pairs of runs, watchers on then off, each pair on the same warm compile cache: the
+    on-runs' row, with every run's clips/s and the overhead (1 − mean on / mean off)."""
+    on_gpu = device.type == "cuda"
+    clusters = {w: local_cluster(work, on_gpu, args.cpus, watched=w) for w in (True, False)}
+    isolated, args.isolated_steps = args.isolated_steps, 0
+    runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
+    for _ in range(args.watchers_ab):
+        for watched in (True, False):
+            row = measure_source(source, args, work, prepared, clusters[watched], spec, device)
+            print(json.dumps({"watched": watched, **row}), flush=True)
+            runs[watched].append(row)
+    args.isolated_steps = isolated
+    rates = {w: [r.get("clips_per_s") for r in rs] for w, rs in runs.items()}
+    row = {**runs[True][-1], "watched_clips_per_s": rates[True], "unwatched_clips_per_s": rates[False]}
+    if all(x is not None for x in rates[True] + rates[False]):
+        on, off = (sum(rates[w]) / len(rates[w]) for w in (True, False))
+        row.update(clips_per_s=on, unwatched_mean=off, watchers_overhead=1 - on / off)
+        print(f"{source}: watchers on {on:.2f}, off {off:.2f} clips/s: "
+              f"overhead {100 * (1 - on / off):+.2f} %", flush=True)
     return row
 
 
@@ -299,6 +328,9 @@ def main() -> None:
     print(json.dumps({k: v for k, v in info.items() if k.startswith("prepare")}), flush=True)
     rows = []
     for source in args.sources.split(","):
+        if args.watchers_ab:
+            rows.append(watchers_ab(source, args, work, prepared, spec, device))
+            continue
         row = measure_source(source, args, work, prepared, cluster, spec, device)
         rows.append(row)
         print(json.dumps(row), flush=True)

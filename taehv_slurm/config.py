@@ -33,13 +33,11 @@ SIGNAL_DELAY_MIN_S = 30
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|(^|_)PASS$|API_?KEY|ACCESS_KEY|PRIVATE_KEY"
                           r"|CREDENTIAL|(^|_)KEY$)", re.I)
 
-
 # What the data and teacher settings accept (checked here, used by the trainer, preflight and taehv prepare).
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
 TeacherKind = Literal["none", "hunyuanvideo", "cogvideox", "wan"]
 # the video VAEs (none: latents from shards)
 TEACHER_KINDS: tuple[str, ...] = typing.get_args(TeacherKind)[1:]
-
 
 # Backends whose jobs run on the submitting machine (one node); the others are cluster schedulers.
 MACHINE_BACKENDS = frozenset({"local", "debug"})
@@ -125,7 +123,7 @@ class ClusterConfig:
     # Every rank's watchdog (docs/failures.md): a section (step, data, validation, save) that runs longer
     # than max(hang_floor_s, hang_factor x the slowest time seen in it) is a hang; hang_uncalibrated_s
     # until it has seen enough of the section. heartbeat_s: how often each rank records its progress.
-    hang_detection: bool = True
+    hang_detection: bool = True  # false: no watchdog thread at all
     heartbeat_s: float = 5.0
     hang_floor_s: float = 60.0
     hang_factor: float = 5.0
@@ -133,7 +131,7 @@ class ClusterConfig:
     # A rank whose compute per step (waits on the others and on data excluded) is more than
     # slow_rank_margin above the median in slow_rank_windows log windows in a row is named (report only).
     slow_rank_margin: float = 0.3
-    slow_rank_windows: int = 3
+    slow_rank_windows: int = 3  # 0: off (no step is timed)
     setup: list[str] = field(default_factory=list)  # shell lines run before srun
     env: dict[str, str] = field(default_factory=dict)  # exported in the job
     secret_env: list[str] = field(default_factory=list)  # env names never written anywhere
@@ -242,17 +240,18 @@ class ClusterConfig:
             source,
             f"time_min={self.time_min} leaves no time to train with signal_delay_s={self.signal_delay_s}: "
             f"Slurm sends the time-limit warning up to {SLURM_SIGNAL_EARLY_S} s before that, so it could "
-            "come as the job starts, "
-            f"every time; raise time_min above {(self.signal_delay_s + SLURM_SIGNAL_EARLY_S) // 60} or lower "
-            "signal_delay_s",
+            f"come as the job starts, every time; raise time_min above "
+            f"{(self.signal_delay_s + SLURM_SIGNAL_EARLY_S) // 60} or lower signal_delay_s",
         )
         _check(self.max_requeues >= 0, source, f"max_requeues must be ≥ 0, got {self.max_requeues}")
         _check(self.rendezvous_timeout_s >= 1, source, "rendezvous_timeout_s must be ≥ 1")
         _check(0.5 <= self.heartbeat_s <= self.hang_floor_s / 3, source,
                f"heartbeat_s={self.heartbeat_s} must be at least 0.5 and at most hang_floor_s / 3 "
                f"({self.hang_floor_s / 3:g}): a hang is told by records older than three heartbeats")
-        _check(self.hang_factor >= 1 and self.hang_uncalibrated_s >= self.hang_floor_s, source,
-               "hang_factor must be ≥ 1 and hang_uncalibrated_s ≥ hang_floor_s")
+        _check(self.hang_factor >= 1 and self.hang_uncalibrated_s >= self.hang_floor_s
+               and self.slow_rank_margin > 0 and self.slow_rank_windows >= 0, source,
+               "hang_factor must be ≥ 1, hang_uncalibrated_s ≥ hang_floor_s, slow_rank_margin > 0 and "
+               "slow_rank_windows ≥ 0 (0: off)")
         _check(self.mem_gb is None or self.mem_gb > 0, source, f"mem_gb must be > 0, got {self.mem_gb}")
         if self.backend in MACHINE_BACKENDS and self.nodes > 1:
             raise ConfigError(

@@ -5,12 +5,14 @@
   restarts without that node from its last checkpoint and completes.
 - `slowed`: one rank of a long training is slowed by a SIGSTOP/SIGCONT duty cycle: it is named slow, the
   job goes on training (no hang, no requeue), and is then cancelled.
-- the clean runs of this suite name no slow rank and find no hang (checked on `slowed`'s peer run).
+- the clean runs of this suite name no slow rank and find no hang (checked on `slowed`'s peer run);
+- `hang_detection: false` and `slow_rank_windows: 0` switch the watchers off entirely (bench's A/B).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -24,6 +26,8 @@ import pytest
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.training import submit_training
 from tests.helpers import (
+    QUICK,
+    cli,
     events,
     make_cluster,
     metrics,
@@ -130,3 +134,21 @@ def test_a_clean_run_names_no_slow_rank_and_finds_no_hang(jobs: Jobs) -> None:
     assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
     assert not events(handle, "slow_rank") and not events(handle, "hang")
     assert not [r for r in metrics(handle.run_dir) if r.get("slow_ranks")]
+
+
+def test_the_watchers_switch_off_for_an_ab_of_their_cost(tmp_path: Path) -> None:
+    # bench/e2e_throughput.py --watchers-ab measures the watchers' cost against these two switches: off
+    # must mean no watchdog thread marking the rank's sections and no step timed, not only no verdict.
+    quick = [f"{k}={v}" for k, v in QUICK.items()]
+    for name, off in (("watched", []), ("unwatched", ["hang_detection=false", "slow_rank_windows=0"])):
+        sets = [f"job_dir={tmp_path}", "steps=4", "intervals.log_every=1", *quick, *off]
+        out = cli("jobs.submit", "--local", "--train", "configs/train/tiny.yaml", "--name", name,
+                  *[a for s in sets for a in ("--set", s)])
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for name, watched in (("watched", True), ("unwatched", False)):
+        record = json.loads((tmp_path / name / "ranks" / "0.json").read_text())
+        assert record["exit_code"] == 0  # the record that names killed ranks is kept either way
+        # watched: the main thread marked each step (the last one it entered); unwatched: it marked nothing
+        assert ((record["step"] or 0) >= 3) is watched and (record["section"] != "startup") is watched, record
+        rows = [r for r in metrics(tmp_path / name) if "loss" in r]
+        assert len(rows) == 4 and all(("compute_s" in r) is watched for r in rows), rows

@@ -157,7 +157,9 @@ class RequeueableTask(submitit.helpers.Checkpointable):
                 events.write("stopped", segment=segment, reason=reason, job_id=env.job_id)
             print(f"[taehv] not starting: {reason}", flush=True)
             raise StopRequested(reason)
-        ctx = RunContext(run_dir, env, stop, segment, self.backend, watchdog)
+        # hang_detection off: no thread, and the main thread marks no sections (the A/B of its cost)
+        ctx = RunContext(run_dir, env, stop, segment, self.backend,
+                         watchdog if self.watchdog.enabled else None)
         watchdog.on_hang = functools.partial(self._on_hang, ctx)
         if env.rank == 0:
             stop.on_give_up = lambda why: ctx.events.write("failure", segment=segment, rank=0, step=ctx.step,

@@ -48,7 +48,7 @@ class WatchdogSettings:
     uncalibrated_s: float = 1800.0  # until calibrated: compilation, first saves, slow rendezvous
     warmup: int = 2  # first occurrences of a section ignored for calibration
     calibrate_after: int = 3  # occurrences needed (after the warm-up) to calibrate
-    enabled: bool = True
+    enabled: bool = True  # False: no thread; the record is written at start and exit only
 
     @property
     def stale_after_s(self) -> float:
@@ -132,7 +132,8 @@ class Watchdog:
 
     def start(self) -> None:
         self.rank_file.started()
-        self._thread.start()
+        if self.settings.enabled:
+            self._thread.start()
 
     def enter(self, section: str, step: int | None = None) -> None:
         record = self.rank_file.record

@@ -181,8 +181,9 @@ class FlatAllReduceEngine(Engine):
 
     def __init__(self, module: DistillModule, device: torch.device, precision: str, grad_clip: float,
                  lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
-                 compile_mode: str = "default") -> None:
+                 compile_mode: str = "default", time_compute: bool = True) -> None:
         super().__init__(module, device, precision, grad_clip)
+        self.time_compute = time_compute  # each step's compute clock, for the slow-rank check
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         params = [p for p in module.parameters() if p.requires_grad]
         # One element more than the gradients: each rank's non-finite-loss flag, summed by the same
@@ -212,7 +213,7 @@ class FlatAllReduceEngine(Engine):
         self.module.train()
         self.flat_grad.zero_()  # keeps the views (never set_to_none)
         sums = _MetricSums()
-        clock = ComputeClock(self.device)
+        clock = ComputeClock(self.device) if self.time_compute else None
         for frames, latents, weight in microbatches:
             if self.cuda_graphs:  # each micro-step is a new replay of the graphs
                 torch.compiler.cudagraph_mark_step_begin()
@@ -221,7 +222,8 @@ class FlatAllReduceEngine(Engine):
             sums.add(metrics, frames.shape[0], weight)  # copied out before anything replays the graphs again
             (loss * weight).backward()
         self.flat_grad[-1] = sums.nonfinite()
-        clock.stop()
+        if clock is not None:
+            clock.stop()
         if self.world > 1:
             # Σ over ranks of Σ weight·∇loss = the mean over the effective batch
             dist.all_reduce(self.flat_grad)
@@ -444,14 +446,17 @@ def _check_names(named: list[tuple[str, nn.Parameter]], stored: dict[str, torch.
 
 def make_engine(kind: str, module: DistillModule, device: torch.device, *, precision: str, grad_clip: float,
                 lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
-                per_gpu_batch: int, grad_accum: int, compile_mode: str = "default") -> Engine:
+                per_gpu_batch: int, grad_accum: int, compile_mode: str = "default",
+                time_compute: bool = True) -> Engine:
     """The engine `kind` (allreduce, zero1, zero2, zero3) around `module`.
 
     per_gpu_batch / grad_accum: the largest micro-batch and the micro-batches per step (every rank runs
-    that many; DeepSpeed needs both)."""
+    that many; DeepSpeed needs both). time_compute: time each rank's compute per step (the slow-rank
+    check; the all-reduce engine only, where no collective runs inside the step)."""
     common = dict(lr=lr, betas=betas, weight_decay=weight_decay, compile=compile)
     if kind == "allreduce":
-        return FlatAllReduceEngine(module, device, precision, grad_clip, compile_mode=compile_mode, **common)
+        return FlatAllReduceEngine(module, device, precision, grad_clip, compile_mode=compile_mode,
+                                   time_compute=time_compute, **common)
     if kind in ("zero1", "zero2", "zero3"):
         if missing := missing_engine_package(kind):
             raise ConfigError(missing)

@@ -73,6 +73,8 @@ class LogWindow:
         the skipped steps and the slowest rank's data-wait fraction; resets."""
         if self.sums is None:
             raise RuntimeError("LogWindow.close before any step")
+        if self.device.type == "cuda":  # the window's GPU work done, not only queued (clips/s overstated it)
+            torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.began
         totals = self.sums.clone()
         wait = torch.tensor([self.data_wait_s / elapsed], dtype=torch.float64, device=self.device)

@@ -130,6 +130,7 @@ class Trainer:
             lr=plan.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
             compile=cfg.engine.compile and self.device.type == "cuda", compile_mode=cfg.engine.compile_mode,
             per_gpu_batch=plan.per_gpu_batch, grad_accum=plan.grad_accum,
+            time_compute=self.runtime.slow_rank_windows > 0,
         )
 
     def resume(self) -> int:
