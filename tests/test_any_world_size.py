@@ -1,9 +1,10 @@
 """Any GPU count, the same training (the Slurm testbed: CPU, gloo, one real process per rank).
 
-The tiny config with effective batch 8: world sizes 1, 2, 3 and 5 (3 and 5 split unevenly: 3+3+2 and
-2+2+2+1+1) train the same 5 steps on the same clips, for the flat all-reduce engine and ZeRO-2, and a run
-resumed at another world size continues the same run. Their exports (jobs.export) are the same file
-where the weights are the same.
+The tiny config without its teacher, at 32×32 (`quick_train`: what is compared is the split, the reduction
+and the resume, which the teacher's latents do not touch), with effective batch 8: world sizes 1, 2, 3 and
+5 (3 and 5 split unevenly: 3+3+2 and 2+2+2+1+1) train the same 5 steps on the same clips, for the flat
+all-reduce engine and ZeRO-2, and a run resumed at another world size continues the same run. Their
+exports (jobs.export) are the same file where the weights are the same.
 
 Tolerances, and why. Only the arithmetic order differs between world sizes (a rank sums its share, the
 all-reduce sums the ranks; a convolution over 3 clips blocks its sums differently than over 4), which
@@ -30,7 +31,7 @@ import torch
 
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.training import submit_training
-from tests.helpers import make_cluster, tiny_train
+from tests.helpers import make_cluster, quick_train
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -76,7 +77,7 @@ def initial_weights() -> dict[str, torch.Tensor]:
     """The weights every run starts from (the trainer's own initialisation with the config's seed)."""
     from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training
 
-    cfg = tiny_train()
+    cfg = quick_train()
     with torch.random.fork_rng():
         torch.manual_seed(cfg.seed)
         model = TAEHV(TAEHVConfig.from_dict(cfg.model_fields()))
@@ -102,7 +103,7 @@ def runs(tmp_path_factory) -> dict[tuple[str, int], Path]:
     handles = {}
     for engine in ("allreduce", "zero2"):
         for world in WORLD_SIZES:
-            train = tiny_train(steps=STEPS, **EXACT, **{"engine.kind": engine})
+            train = quick_train(steps=STEPS, **EXACT, **{"engine.kind": engine})
             handles[(engine, world)] = submit_training(ranks(job_dir, world), train, f"{engine}-{world}")[0]
     for key, handle in handles.items():
         assert handle.wait(timeout_s=900, progress=False) == "COMPLETED", (key, handle.tail(40))
@@ -127,7 +128,7 @@ def test_resumed_at_other_world_sizes_and_engines_continues_the_same_run(runs, t
     # step 5: one run folder, one run.
     for world, engine, until in ((2, "ddp", 2), (3, "zero2", 4), (5, "zero3", STEPS)):
         # lr warmup (20 steps) ignores `steps`
-        train = tiny_train(steps=until, **EXACT, **{"engine.kind": engine})
+        train = quick_train(steps=until, **EXACT, **{"engine.kind": engine})
         handle = submit_training(ranks(tmp_path, world), train, "resumed")[0]
         assert handle.wait(timeout_s=600, progress=False) == "COMPLETED", handle.tail(40)
     run = tmp_path / "resumed"
