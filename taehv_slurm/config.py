@@ -240,7 +240,7 @@ class ClusterConfig:
             source,
             f"time_min={self.time_min} leaves no time to train with signal_delay_s={self.signal_delay_s}: "
             f"Slurm sends the time-limit warning up to {SLURM_SIGNAL_EARLY_S} s before that, so it could "
-            f"come as the job starts, every time; raise time_min above "
+            "come as the job starts, every time; raise time_min above "
             f"{(self.signal_delay_s + SLURM_SIGNAL_EARLY_S) // 60} or lower signal_delay_s",
         )
         _check(self.max_requeues >= 0, source, f"max_requeues must be ≥ 0, got {self.max_requeues}")
