@@ -253,14 +253,13 @@ def watchers_ab(source: str, args: argparse.Namespace, work: Path, prepared: Pat
     on-runs' row, with every run's clips/s and the overhead (1 − mean on / mean off)."""
     on_gpu = device.type == "cuda"
     clusters = {w: local_cluster(work, on_gpu, args.cpus, watched=w) for w in (True, False)}
-    isolated, args.isolated_steps = args.isolated_steps, 0
+    no_isolated = argparse.Namespace(**{**vars(args), "isolated_steps": 0})  # the A/B is end to end only
     runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     for _ in range(args.watchers_ab):
         for watched in (True, False):
-            row = measure_source(source, args, work, prepared, clusters[watched], spec, device)
+            row = measure_source(source, no_isolated, work, prepared, clusters[watched], spec, device)
             print(json.dumps({"watched": watched, **row}), flush=True)
             runs[watched].append(row)
-    args.isolated_steps = isolated
     rates = {w: [r.get("clips_per_s") for r in rs] for w, rs in runs.items()}
     row = {**runs[True][-1], "watched_clips_per_s": rates[True], "unwatched_clips_per_s": rates[False]}
     if all(x is not None for x in rates[True] + rates[False]):

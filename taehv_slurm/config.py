@@ -437,7 +437,8 @@ class TrainConfig:
             value = getattr(self.divergence, key)
             _check(value >= 1, source, f"divergence.{key} must be ≥ 1, got {value}")
         _check(self.divergence.max_rollbacks >= 0, source, "divergence.max_rollbacks must be ≥ 0")
-        _check(self.tracking.sample_frames >= 0, source, "tracking.sample_frames must be ≥ 0 (0: none)")
+        _check(self.tracking.sample_frames >= 0, source,
+               f"tracking.sample_frames must be ≥ 0 (0: none), got {self.tracking.sample_frames}")
         return self
 
 
