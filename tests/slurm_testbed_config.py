@@ -72,8 +72,9 @@ def slurm_conf(bed: Testbed) -> str:
         f"SlurmctldPort={bed.ctld_port}",
         "SlurmUser=root", "SlurmdUser=root",
         "AuthType=auth/munge", "CredType=cred/munge",
-        # A requeued job may only start again once its old credential expired (default 120 s).
-        "AuthInfo=cred_expire=10",
+        # A requeued job may only start again once its old credential expired: cred_expire + 1 s (default
+        # 121 s). 5 is the shortest Slurm accepts.
+        "AuthInfo=cred_expire=5",
         f"StateSaveLocation={r}/spool/ctld", f"SlurmdSpoolDir={r}/spool/%n",
         f"SlurmctldPidFile={r}/run/slurmctld.own.pid", f"SlurmdPidFile={r}/run/slurmd-%n.own.pid",
         f"SlurmctldLogFile={r}/log/slurmctld.log", f"SlurmdLogFile={r}/log/slurmd-%n.log",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -391,6 +393,29 @@ def test_the_mfu_flop_count_on_fake_tensors_is_a_real_forwards_count() -> None:
     counted = model_flops_per_clip(module, 8, 64, 64, torch.device("cpu"), latent_channels=16)
     assert counted == 3.0 * counter.get_total_flops() > 0 and module.training
     assert inputs == ["FakeTensor"]  # counted on shapes, not by the real forward it falls back to
+
+
+def test_the_flop_count_is_counted_once_per_model_and_shape(tmp_path) -> None:
+    # Every attempt of a run counts the same model: the first writes its count beside the compile cache, the
+    # next ones read it; another model, shape or a damaged file is counted again.
+    from taehv_slurm.trainer.losses import DistillModule
+    from taehv_slurm.trainer.speed import model_flops_per_clip
+
+    def module(width: int) -> DistillModule:
+        return DistillModule(TAEHV(TAEHVConfig(encoder_width=width, decoder_widths=[32, 32, 16, 16])))
+
+    cache, cpu = tmp_path / "compile-cache" / "model-flops.json", torch.device("cpu")
+    first = model_flops_per_clip(module(16), 8, 64, 64, cpu, 16, cache)
+    again = module(16)
+    again.forward = lambda *args: pytest.fail("counted again instead of reading the cache")
+    assert model_flops_per_clip(again, 8, 64, 64, cpu, 16, cache) == first
+    assert model_flops_per_clip(module(16), 8, 64, 64, cpu, 16) == first  # what it counts without a cache
+    wider = model_flops_per_clip(module(32), 8, 64, 64, cpu, 16, cache)
+    larger = model_flops_per_clip(module(16), 8, 128, 64, cpu, 16, cache)
+    assert len({first, wider, larger}) == 3 and len(json.loads(cache.read_text())) == 3
+    cache.write_text("{not json")
+    assert model_flops_per_clip(module(16), 8, 64, 64, cpu, 16, cache) == first
+    assert list(json.loads(cache.read_text()).values()) == [first]
 
 
 def test_conv_flops_pad_frames_and_scale_with_area() -> None:

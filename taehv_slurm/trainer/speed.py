@@ -14,12 +14,19 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import inspect
+import json
 import os
 import re
 from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+
+from taehv_slurm.runtime.runfiles import write_text_atomic
+
+FLOPS_FILE = "model-flops.json"  # in the compile cache folder: the counts of earlier attempts
 
 # Dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA datasheets; sparse figures are twice these).
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4,
@@ -37,12 +44,49 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     return None
 
 
-@torch.no_grad()
 def model_flops_per_clip(module: torch.nn.Module, frames: int, height: int, width: int,
-                         device: torch.device, latent_channels: int) -> float:
+                         device: torch.device, latent_channels: int, cache: Path | None = None) -> float:
     """Training FLOPs of one clip: 3 × the forward's, counted on one clip (eval mode, no grad) of fake
     tensors: shapes only, no device time or memory (a real full-size forward, which this falls back to
-    should a layer not run on fake tensors, took both before the first step of every attempt)."""
+    should a layer not run on fake tensors, took both before the first step of every attempt).
+
+    With `cache` (a JSON file beside the compile cache), an attempt reuses what an earlier one counted for
+    the same model code, settings, clip shape and torch: the count cost each warm start on an H200 ~2 s."""
+    key = _flops_key(module, (frames, height, width, latent_channels))
+    known = _read_counts(cache).get(key) if cache else None
+    if isinstance(known, float):
+        return known
+    flops = _count_flops(module, frames, height, width, device, latent_channels)
+    if cache:
+        with contextlib.suppress(OSError):  # a read-only share: count again next time
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(cache, json.dumps({**_read_counts(cache), key: flops}, indent=1))
+    return flops
+
+
+def _flops_key(module: torch.nn.Module, shape: tuple[int, ...]) -> str:
+    """The module's code (the source files of its classes), structure and plain settings, the clip shape
+    and torch's version: what the count depends on."""
+    parts = [torch.__version__, repr(shape), repr(module)]
+    for file in sorted({inspect.getsourcefile(type(m)) or "" for m in module.modules()}):
+        parts.append(Path(file).read_text() if file else "")
+    for m in module.modules():
+        parts.append(repr(sorted((k, v) for k, v in vars(m).items()
+                                 if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple)))))
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _read_counts(cache: Path) -> dict[str, float]:
+    try:
+        counts = json.loads(cache.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: count again and write a good one
+        return {}
+    return {k: v for k, v in counts.items() if isinstance(v, float)} if isinstance(counts, dict) else {}
+
+
+@torch.no_grad()
+def _count_flops(module: torch.nn.Module, frames: int, height: int, width: int, device: torch.device,
+                 latent_channels: int) -> float:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def count(fake: bool) -> float:
