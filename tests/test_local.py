@@ -98,12 +98,14 @@ def test_status_running_then_cancel_saves_and_the_name_resumes(tmp_path: Path) -
     assert 0 < resumed_row["ettr"] <= 1, resumed_row
 
 
-def test_ctrl_c_saves_like_a_preemption(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_saves_like_a_preemption(tmp_path: Path, stop: signal.Signals) -> None:
     run_dir = tmp_path / "interrupted"
     proc = start(tmp_path, "interrupted", "steps=300")
     wait_for(lambda: len(train_steps(run_dir)) >= 3, 240, "step 3")
-    # what a terminal's Ctrl-C sends the CLI (the ranks run in their own session)
-    proc.send_signal(signal.SIGINT)
+    # what a terminal's Ctrl-C sends the CLI, or `kill`, `timeout` or a stopping container: only the CLI
+    # hears it (the ranks run in their own session), so it must stop the job, not leave it running
+    proc.send_signal(stop)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-2000:] + err[-2000:]
     assert "interrupted: every rank saves at its next step" in out and "ended: CANCELLED" in out

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -296,6 +297,32 @@ def test_cli_dry_run_imports_no_torch_and_bad_input_is_one_line(prepared: Path, 
 
 def shard_events(run_dir: Path) -> list[dict]:
     return [e for e in EventLog(run_dir / "events.jsonl").read() if e["event"] == "shard"]
+
+
+def test_sigterm_stops_a_local_prepare_and_the_command_resumes(videos: Path, tmp_path: Path) -> None:
+    # `kill`, `timeout` or a stopping container signal only the command (the ranks run in their own
+    # session): the job must stop with its finished shards kept, not go on without anyone following it.
+    argv = [sys.executable, "-m", "jobs.prepare", "--data", str(videos), "--out", str(tmp_path / "out"),
+            "--teacher-path", "random:tiny", "--frames", "8", "--height", "64", "--width", "64",
+            "--stride", "1", "--shard-size", "4", "--batch", "2", "--local", "--set", f"job_dir={tmp_path}"]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for(lambda: [e for p in tmp_path.glob("prepare-*/events.jsonl") for e in shard_events(p.parent)],
+                 300, "the first shard", poll_s=0.05)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output[-3000:]
+    assert "interrupted: every rank saves" in output and "ended: CANCELLED" in output
+    assert "stopped: the shards written are kept" in output
+    kept = len(list((tmp_path / "out").glob("shards/*")))
+    again = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resuming {tmp_path / 'out'}: " in again.stdout and "ended: COMPLETED" in again.stdout
+    assert kept > 0 and "0 missing, 0 bad" in again.stdout
 
 
 @pytest.mark.usefixtures("slurm_cluster")

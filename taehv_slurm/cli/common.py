@@ -7,11 +7,13 @@ example configs installed with the package (taehv_slurm.config.shipped_config).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
+import signal
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from taehv_slurm.config import ClusterConfig, load_cluster
 
@@ -69,6 +71,21 @@ def load_cluster_from_args(args: argparse.Namespace, cluster_over: dict) -> Clus
     return load_cluster(args.cluster or (LOCAL_CLUSTER if args.local else DEFAULT_CLUSTER),
                         origins=flag_origins(args),
                         **cluster_over)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """A SIGTERM to the CLI (`kill`, `timeout`, a stopping container) acts as Ctrl-C does while it follows a
+    job: a job running on this machine is stopped and saved, not left running without it (its ranks run in
+    their own session, so only the CLI hears the signal)."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:

@@ -23,9 +23,17 @@ import time
 from pathlib import Path
 
 from taehv_slurm.backends import backend_named
-from taehv_slurm.cli.common import DEFAULT_CLUSTER, LOCAL_CLUSTER, load_cluster_from_args, one_line_errors
+from taehv_slurm.cli import watch
+from taehv_slurm.cli.common import (
+    DEFAULT_CLUSTER,
+    LOCAL_CLUSTER,
+    load_cluster_from_args,
+    one_line_errors,
+    terminate_as_interrupt,
+)
 from taehv_slurm.config import ClusterConfig, ConfigError, split_overrides
 from taehv_slurm.executor import sbatch_preview
+from taehv_slurm.handle import JobHandle
 from taehv_slurm.messages import command
 from taehv_slurm.security import make_private_dir
 from taehv_slurm.slurm import is_success
@@ -158,10 +166,24 @@ def main(argv: list[str] | None = None) -> int:
           f"run folder {handle.run_dir}")
     print(f"follow: {command('logs')} {handle.job_id} --follow --job-dir {cluster.job_dir}")
     print(f"verify: {command('prepare')} --verify --out {out}")
-    if not (args.local or args.follow or backend_named(cluster.backend).runs_here):
+    backend = backend_named(cluster.backend)
+    if not (args.local or args.follow or backend.runs_here):
         return 0
-    state = handle.follow(0)
+    return follow_and_verify(handle, backend.cancel_on_interrupt, out)
+
+
+def follow_and_verify(handle: JobHandle, stop_on_interrupt: bool, out: Path) -> int:
+    """Rank 0's log until the job ends, then the verified folder. Ctrl-C or SIGTERM stops a job of this
+    machine (its finished shards are kept; the same command resumes) and only stops following another."""
+    with terminate_as_interrupt():
+        state, interrupted = watch.follow_to_the_end(handle, stop_on_interrupt=stop_on_interrupt, bar=False)
+    if interrupted and not stop_on_interrupt:
+        return 130  # it only stopped following: the job runs on (the line printed says how to follow it)
     print(f"job {handle.job_id} ended: {state}")
+    if interrupted:
+        print(f"stopped: the shards written are kept; the same command resumes from them (verify: "
+              f"{command('prepare')} --verify --out {out})", file=sys.stderr)
+        return 130
     code = report_verify(out)
     return code if is_success(state) else 1
 

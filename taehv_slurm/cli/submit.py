@@ -26,6 +26,7 @@ from taehv_slurm.cli.common import (
     flag_origins,
     load_cluster_from_args,
     one_line_errors,
+    terminate_as_interrupt,
 )
 from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_train, split_overrides
 from taehv_slurm.executor import sbatch_preview
@@ -115,11 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     backend = backend_named(cluster.backend)
     if not (args.local or args.follow or backend.runs_here):
         return 0
-    if len(handles) > 1:
-        states, interrupted = watch.follow_all(handles, stop_on_interrupt=backend.cancel_on_interrupt)
-        return watch.report_all(handles, states, interrupted)
-    state, interrupted = watch.follow_to_the_end(handles[0], stop_on_interrupt=backend.cancel_on_interrupt)
-    watch.report_end(handles[0], state, interrupted)
+    stop = backend.cancel_on_interrupt
+    with terminate_as_interrupt():
+        if len(handles) > 1:
+            states, interrupted = watch.follow_all(handles, stop_on_interrupt=stop)
+            return watch.report_all(handles, states, interrupted)
+        state, interrupted = watch.follow_to_the_end(handles[0], stop_on_interrupt=stop)
+        watch.report_end(handles[0], state, interrupted)
     if args.task == "smoke" and is_success(state):
         for facts in sorted(handles[0].results(), key=lambda f: f["rank"]):
             print(facts)

@@ -2,7 +2,7 @@
 
 - `model_flops_per_clip`: the student's training FLOPs per clip, counted by torch's FlopCounterMode on one
   clip's forward (no grad, fake tensors) times 3 (backward ≈ 2× forward: the input and weight gradients),
-  the usual convention for model FLOPs utilisation (MFU).
+  the usual convention for model FLOPs utilisation (MFU); counted once, then read from the compile cache.
 - `mfu`: clips/s per GPU × FLOPs per clip / the GPU's dense bf16 peak (vendor datasheets), logged with
   every metrics line on GPUs of a known peak.
 - `use_compile_cache`: inductor's caches (FX graphs, AOT autograd, Triton kernels) in a folder on the
