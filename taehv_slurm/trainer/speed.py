@@ -69,7 +69,8 @@ def _flops_key(module: torch.nn.Module, shape: tuple[int, ...]) -> str:
     and torch's version: what the count depends on."""
     parts = [torch.__version__, repr(shape), repr(module)]
     for file in sorted({inspect.getsourcefile(type(m)) or "" for m in module.modules()}):
-        parts.append(Path(file).read_text() if file else "")
+        with contextlib.suppress(OSError):  # no source installed: structure and settings still count
+            parts.append(Path(file).read_text())
     for m in module.modules():
         parts.append(repr(sorted((k, v) for k, v in vars(m).items()
                                  if not k.startswith("_") and isinstance(v, (bool, int, float, str, tuple)))))
