@@ -404,17 +404,18 @@ def test_the_flop_count_is_counted_once_per_model_and_shape(tmp_path) -> None:
     def module(width: int) -> DistillModule:
         return DistillModule(TAEHV(TAEHVConfig(encoder_width=width, decoder_widths=[32, 32, 16, 16])))
 
-    cache, cpu = tmp_path / "compile-cache" / "model-flops.json", torch.device("cpu")
-    first = model_flops_per_clip(module(16), 8, 64, 64, cpu, 16, cache)
+    folder, cpu = tmp_path / "compile-cache", torch.device("cpu")
+    cache = folder / "model-flops.json"
+    first = model_flops_per_clip(module(16), 8, 64, 64, cpu, 16, folder)
     again = module(16)
     again.forward = lambda *args: pytest.fail("counted again instead of reading the cache")
-    assert model_flops_per_clip(again, 8, 64, 64, cpu, 16, cache) == first
+    assert model_flops_per_clip(again, 8, 64, 64, cpu, 16, folder) == first
     assert model_flops_per_clip(module(16), 8, 64, 64, cpu, 16) == first  # what it counts without a cache
-    wider = model_flops_per_clip(module(32), 8, 64, 64, cpu, 16, cache)
-    larger = model_flops_per_clip(module(16), 8, 128, 64, cpu, 16, cache)
+    wider = model_flops_per_clip(module(32), 8, 64, 64, cpu, 16, folder)
+    larger = model_flops_per_clip(module(16), 8, 128, 64, cpu, 16, folder)
     assert len({first, wider, larger}) == 3 and len(json.loads(cache.read_text())) == 3
     cache.write_text("{not json")
-    assert model_flops_per_clip(module(16), 8, 64, 64, cpu, 16, cache) == first
+    assert model_flops_per_clip(module(16), 8, 64, 64, cpu, 16, folder) == first
     assert list(json.loads(cache.read_text()).values()) == [first]
 
 

@@ -26,8 +26,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from taehv_slurm.runtime.runfiles import write_text_atomic
 
-FLOPS_FILE = "model-flops.json"  # in the compile cache folder: the counts of earlier attempts
-
 # Dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA datasheets; sparse figures are twice these).
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4,
                     "A100": 312.0, "L40S": 362.1, "B200": 2250.0}
@@ -45,14 +43,17 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 
 
 def model_flops_per_clip(module: torch.nn.Module, frames: int, height: int, width: int,
-                         device: torch.device, latent_channels: int, cache: Path | None = None) -> float:
+                         device: torch.device, latent_channels: int,
+                         cache_dir: str | os.PathLike | None = None) -> float:
     """Training FLOPs of one clip: 3 × the forward's, counted on one clip (eval mode, no grad) of fake
     tensors: shapes only, no device time or memory (a real full-size forward, which this falls back to
     should a layer not run on fake tensors, took both before the first step of every attempt).
 
-    With `cache` (a JSON file beside the compile cache), an attempt reuses what an earlier one counted for
-    the same model code, settings, clip shape and torch: the count cost each warm start on an H200 ~2 s."""
+    With `cache_dir` (the compile cache folder), an attempt reuses what an earlier one counted for the same
+    model code, settings, clip shape and torch (its model-flops.json): the count cost each warm start on an
+    H200 ~2 s."""
     key = _flops_key(module, (frames, height, width, latent_channels))
+    cache = Path(cache_dir) / "model-flops.json" if cache_dir else None
     known = _read_counts(cache).get(key) if cache else None
     if isinstance(known, float):
         return known

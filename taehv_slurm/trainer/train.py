@@ -50,7 +50,7 @@ from taehv_slurm.trainer.metrics import LogWindow, MetricsWriter, sample_grid
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training, load_published_weights
 from taehv_slurm.trainer.rng import get_rng_state, seed_all, set_rng_state
 from taehv_slurm.trainer.schedule import lr_at
-from taehv_slurm.trainer.speed import FLOPS_FILE, mfu, model_flops_per_clip, peak_flops, use_compile_cache
+from taehv_slurm.trainer.speed import mfu, model_flops_per_clip, peak_flops, use_compile_cache
 from taehv_slurm.trainer.stragglers import SlowRanks
 from taehv_slurm.trainer.teacher import load_teacher, to_unit
 from taehv_slurm.trainer.trackers import Trackers
@@ -120,10 +120,9 @@ class Trainer:
         module = DistillModule(student, cfg.loss.latent_weight, cfg.loss.reconstruction_weight,
                                cfg.loss.decoder_weight)
         self.peak_flops = peak_flops(self.device, plan.precision)
-        cache = self.runtime.compile_cache_dir
         self.flops_per_clip = (model_flops_per_clip(module, cfg.data.frames, cfg.data.height, cfg.data.width,
                                                     self.device, cfg.model.latent_channels,
-                                                    Path(cache) / FLOPS_FILE if cache else None)
+                                                    self.runtime.compile_cache_dir)
                                if self.peak_flops else 0.0)
         if cfg.engine.compile and self.device.type == "cuda":
             use_compile_cache(self.runtime.compile_cache_dir)
