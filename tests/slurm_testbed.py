@@ -32,6 +32,7 @@ import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from taehv_slurm.runtime.distenv import PORT_BASE
 from tests.slurm_testbed_config import (
     CLUSTER_NAME,
     PARTITION,
@@ -46,10 +47,11 @@ from tests.testbed_processes import CHILDREN, alive, other_slurm_daemons, read, 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ROOT = REPO / ".testbed"
 
-# Each root folder gets its own block of PORT_BLOCK ports in 17000-31999: never a real Slurm's (6817-6819)
-# or MariaDB's (3306), below the ephemeral range (32768+), and two testbeds (a developer's left running,
-# CI's in a fresh clone on the same machine) can run side by side. Offsets in the block:
-PORT_BLOCK, CTLD_OFFSET, DBD_OFFSET, DB_OFFSET, FIRST_NODE_OFFSET = 50, 0, 1, 2, 10
+# Each root folder gets its own block of PORT_BLOCK ports in 14000-19999: never a real Slurm's (6817-6819)
+# or MariaDB's (3306), below the range jobs take their rendezvous port from (PORT_BASE up: a local job's
+# port once landed on a slurmd's), and two testbeds (a developer's left running, CI's in a fresh clone on
+# the same machine) can run side by side. Offsets in the block:
+PORT_BLOCK, PORT_BLOCKS, CTLD_OFFSET, DBD_OFFSET, DB_OFFSET, FIRST_NODE_OFFSET = 50, 120, 0, 1, 2, 10
 SETUP_HINT = "run `bash scripts/setup.sh` as root to install Slurm, munge and MariaDB"
 # Unix sockets (MariaDB's, slurmd's per-step ones under the spool) must fit in 108 bytes.
 MAX_ROOT_CHARS = 70
@@ -70,7 +72,8 @@ class Testbed:
         self.nodes, self.gpus_per_node, self.cpus_per_node = nodes, gpus_per_node, cpus_per_node
         self.accounting = accounting
         self.etc, self.run, self.log = self.root / "etc", self.root / "run", self.root / "log"
-        self.base_port = 17000 + PORT_BLOCK * (zlib.crc32(str(self.root).encode()) % 300)
+        self.base_port = (PORT_BASE - PORT_BLOCK * PORT_BLOCKS
+                          + PORT_BLOCK * (zlib.crc32(str(self.root).encode()) % PORT_BLOCKS))
         self.ctld_port, self.dbd_port, self.db_port = (self.base_port + o
                                                        for o in (CTLD_OFFSET, DBD_OFFSET, DB_OFFSET))
         # True when start() found this very testbed already up (e.g. started by the CLI) and kept it.
