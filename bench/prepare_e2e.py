@@ -30,7 +30,7 @@ from bench.e2e_throughput import local_cluster, make_teacher, make_videos, prepa
 
 # name → jobs.prepare flags beyond the data, teacher and window shape. The defaults before issue 28 were
 # eager at batch 4; the defaults now compile at batch 2 (bench/prepare_throughput.py: the fastest setting).
-VARIANTS = {"before: --no-compile --batch 4": "--no-compile --batch 4",
+VARIANTS = {"before": "--no-compile --batch 4",
             "defaults-cold": "",
             "defaults-warm": ""}
 
@@ -44,11 +44,18 @@ def main() -> None:
     p.add_argument("--cpus", type=int, default=12, help="cpus_per_task of the 1-GPU cluster config")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="CPU, 64×64, a tiny teacher, eager only")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"which to run, comma-separated (default all: {', '.join(VARIANTS)})")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     on_gpu = torch.cuda.is_available() and not args.smoke
     height, width = (480, 720) if on_gpu else (64, 64)
-    variants = VARIANTS if on_gpu else {"smoke: --no-compile --batch 2": "--no-compile --batch 2"}
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        sys.exit(f"error: --variants: no variant {', '.join(sorted(unknown))}; "
+                 f"choose from {', '.join(VARIANTS)}")
+    variants = ({name: VARIANTS[name] for name in args.variants.split(",")} if on_gpu
+                else {"smoke: --no-compile --batch 2": "--no-compile --batch 2"})
     if args.smoke:
         args.videos, args.video_frames, args.frames, args.cpus = 2, 16, 8, 1
     smoke_work = args.out + ".work" if args.out else "/tmp/taehv-prepare-smoke"

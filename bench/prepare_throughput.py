@@ -8,8 +8,8 @@ teacher  `Teacher.latents` (the path `jobs.prepare` runs) on uint8 windows alrea
          AutoencoderKLHunyuanVideo in its default config (246.5 M parameters) with random weights (the cost
          does not depend on the values), bf16, tiling off, 16-frame windows of which the teacher encodes the
          first 13 (1 + 4k) at 480×720. Timed with CUDA events after warm-up (which includes compilation);
-         peak memory per setting. "compile" is torch.compile of the encoder with static shapes, as
-         `jobs.prepare --compile` does.
+         peak memory per setting. "compile" is `Teacher.compile()`, what `jobs.prepare` does by default
+         (static shapes, channels-last, taehv_slurm/trainer/teacher_fast.py).
 decode   `VideoFolderClips.read_window` (seek, decode, resize/crop) of 12-frame 720×480 windows from H.264
          files this script writes (moving synthetic scenes). Reported per CPU-second of the process (all
          its decoder threads), i.e. clips/s per core, and per wall second for one process.
@@ -85,21 +85,28 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: 
     return (time.perf_counter() - start) / iters, first
 
 
-def bench_teacher(teacher: Teacher, device: torch.device, args: argparse.Namespace) -> list[dict[str, Any]]:
+MODES = ("eager", "compile")
+
+
+def teacher_in_mode(make_teacher: Callable[[], Teacher], mode: str) -> Teacher:
+    """A fresh teacher, eager or compiled as `jobs.prepare` compiles it (`Teacher.compile`)."""
+    if mode not in MODES:
+        sys.exit(f"error: --modes takes {' and '.join(MODES)}; got {mode!r}")
+    teacher = make_teacher()
+    if mode == "compile":
+        teacher.compile()
+    return teacher
+
+
+def bench_teacher(make_teacher: Callable[[], Teacher], device: torch.device,
+                  args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    encoder = teacher.vae.encoder
     for mode in args.modes.split(","):
-        if mode not in ("eager", "compile", "eager_cl", "compile_cl"):
-            sys.exit(f"error: --modes takes eager, compile, eager_cl, compile_cl; got {mode!r}")
-        # _cl: weights and inputs channels-last (NDHWC)
-        teacher.to(device, teacher_dtype(teacher), channels_last=mode.endswith("_cl"))
-        if not mode.endswith("_cl"):
-            teacher.vae.to(memory_format=torch.contiguous_format)
-        teacher.vae.encoder = (torch.compile(encoder, dynamic=False) if mode.startswith("compile")
-                               else encoder)  # a fresh compile per batch shape
-        for batch in map(int, args.batches.split(",")):
+        teacher = teacher_in_mode(make_teacher, mode)
+        for batch in map(int, args.batches.split(",")):  # compiled: one compilation per batch shape
             row: dict[str, Any] = {"section": "teacher", "mode": mode, "batch": batch,
                                    "dtype": str(teacher_dtype(teacher)),
+                                   "channels_last": teacher.channels_last,
                                    "window_frames": args.window_frames,
                                    "teacher_frames": teacher_frame_count(args.window_frames),
                                    "height": args.height, "width": args.width}
@@ -109,8 +116,8 @@ def bench_teacher(teacher: Teacher, device: torch.device, args: argparse.Namespa
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                per_call, first = time_calls(lambda frames=frames: teacher.latents(frames), device,
-                                             args.warmup, args.iters)
+                per_call, first = time_calls(lambda frames=frames, latents=teacher.latents: latents(frames),
+                                             device, args.warmup, args.iters)
             except torch.OutOfMemoryError:
                 row["error"] = "out of memory"
             except Exception as err:  # e.g. a compiler failure: record it, measure the rest
@@ -123,17 +130,14 @@ def bench_teacher(teacher: Teacher, device: torch.device, args: argparse.Namespa
             del frames
             rows.append(row)
             print(json.dumps(row), flush=True)
-    teacher.vae.encoder = encoder
     return rows
 
 
-def profile_teacher(teacher: Teacher, device: torch.device, args: argparse.Namespace) -> list[str]:
-    """Where one teacher call's GPU time goes: the 15 most expensive ops (torch.profiler), as text rows."""
+def profile_teacher(make_teacher: Callable[[], Teacher], device: torch.device,
+                    args: argparse.Namespace) -> list[str]:
+    """Where one teacher call's GPU time goes: the 30 most expensive ops (torch.profiler), as text rows."""
     mode, batch = args.profile.split(":")
-    teacher.to(device, teacher_dtype(teacher), channels_last=mode.endswith("_cl"))
-    encoder = teacher.vae.encoder
-    if mode.startswith("compile"):
-        teacher.vae.encoder = torch.compile(encoder, dynamic=False)
+    teacher = teacher_in_mode(make_teacher, mode)
     frames = torch.randint(0, 256, (int(batch), args.window_frames, 3, args.height, args.width),
                            dtype=torch.uint8, device=device)
     for _ in range(2):
@@ -141,8 +145,7 @@ def profile_teacher(teacher: Teacher, device: torch.device, args: argparse.Names
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         teacher.latents(frames)
         torch.cuda.synchronize(device)
-    teacher.vae.encoder = encoder
-    text = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+    text = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
     print(text, flush=True)
     return text.splitlines()
 
@@ -247,7 +250,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny sizes, the tiny random teacher: runs in seconds")
-    p.add_argument("--modes", default="eager,compile", help="teacher variants: eager and/or compile")
+    p.add_argument("--modes", default="eager,compile",
+                   help="teacher variants: eager and/or compile (as jobs.prepare compiles it)")
     p.add_argument("--batches", default="1,2,4", help="clips per teacher call")
     p.add_argument("--window-frames", type=int, default=16,
                    help="window length; the teacher encodes the first 4L−3 (16 → 13)")
@@ -256,7 +260,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per setting (the first compiles)")
     p.add_argument("--iters", type=int, default=10, help="timed calls per setting")
     p.add_argument("--profile", metavar="MODE:BATCH",
-                   help="also profile one teacher setting: its 15 most expensive CUDA ops go in the results")
+                   help="also profile one teacher setting: its 30 most expensive CUDA ops go in the results")
     p.add_argument("--skip", default="", help="sections to skip: teacher, decode, read (comma-separated)")
     p.add_argument("--out",
                    help="JSON file for the results (default bench/results/prepare_throughput_<device>.json)")
@@ -288,19 +292,20 @@ def main(argv: list[str] | None = None) -> int:
     if "teacher" not in skip:
         # the tiny random-weight teacher; the default-config VAE only built on meta (no memory)
         if args.smoke:
-            teacher = load_teacher("hunyuanvideo", "random:tiny")
+            def make_teacher() -> Teacher:
+                return load_teacher("hunyuanvideo", "random:tiny")
             info["default_vae_parameters"] = sum(p.numel() for p in
                                                  default_hunyuan_vae(torch.device("meta")).parameters())
         else:
             torch.backends.cudnn.benchmark = True  # fixed shapes per setting: what jobs.prepare does too
-            vae = default_hunyuan_vae(device)
-            teacher = Teacher(vae).to(device, torch.bfloat16)
-            info["teacher_parameters"] = sum(p.numel() for p in vae.parameters())
-            info["scaling_factor"] = teacher.scaling_factor
-        rows += bench_teacher(teacher, device, args)
+
+            def make_teacher() -> Teacher:
+                return Teacher(default_hunyuan_vae(device)).to(device, torch.bfloat16)
+            info["teacher_parameters"] = sum(p.numel() for p in default_hunyuan_vae(torch.device("meta"))
+                                             .parameters())
+        rows += bench_teacher(make_teacher, device, args)
         if args.profile:
-            info["profile"] = profile_teacher(teacher, device, args)
-        del teacher
+            info["profile"] = profile_teacher(make_teacher, device, args)
     with tempfile.TemporaryDirectory(prefix="prepare-bench-") as tmp:
         for section, run in (("decode", bench_decode), ("read", bench_read)):
             if section in skip:

@@ -136,7 +136,7 @@ class _Worker:
             torch.backends.cudnn.benchmark = True  # one input shape throughout: the autotuned kernels pay off
             if self.task.compile:
                 use_compile_cache(self.task.runtime.compile_cache_dir)  # every shard job, rank and requeue
-                teacher.vae.encoder.compile(dynamic=False)
+                teacher.compile()
         self.teacher, self.latent_channels = teacher, int(teacher.vae.config.latent_channels)
         clips = open_clips(manifest)
         done_before = manifest.num_shards - len(remaining)

@@ -35,6 +35,12 @@ class Teacher:
                                     else vae.config.scaling_factor)
         if hasattr(self.vae, "disable_tiling"):
             self.vae.disable_tiling()  # one pass per clip: targets must not depend on tile seams
+        self.hunyuan = type(vae).__name__ == "AutoencoderKLHunyuanVideo"
+        if self.hunyuan:
+            from taehv_slurm.trainer.teacher_fast import speed_up_attention
+
+            speed_up_attention(self.vae)  # the same latents without a (T·h·w)² mask
+        self.channels_last = False
 
     def to(self, device: torch.device, dtype: torch.dtype, channels_last: bool = False) -> Teacher:
         """On `device` in `dtype`; channels_last: the 3-D convolutions' weights and inputs in NDHWC, the
@@ -47,6 +53,17 @@ class Teacher:
             self.vae.to(memory_format=torch.channels_last_3d)
         return self
 
+    def compile(self) -> None:
+        """torch.compile the encoder (static shapes) in the form that compiles fastest. For HunyuanVideo:
+        channels-last with layout-friendly GroupNorms (teacher_fast; 1.37× on an H100)."""
+        if self.hunyuan:
+            from taehv_slurm.trainer.teacher_fast import channels_last_friendly
+
+            channels_last_friendly(self.vae.encoder)
+            self.channels_last = True
+            self.vae.to(memory_format=torch.channels_last_3d)
+        self.vae.encoder.compile(dynamic=False)
+
     @torch.no_grad()
     def latents(self, frames: torch.Tensor) -> torch.Tensor:
         """frames: N×4L×3×H×W in [0, 1] (or uint8) → N×L×C×H/8×W/8 scaled latents."""
@@ -54,7 +71,7 @@ class Teacher:
         param = next(self.vae.parameters())
         # N×C×T×H×W in [-1, 1]
         x = x.to(device=param.device, dtype=param.dtype).mul(2).sub(1).permute(0, 2, 1, 3, 4)
-        if getattr(self, "channels_last", False):
+        if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last_3d)
         z = self.vae.encode(x).latent_dist.mode() * self.scaling_factor
         return z.permute(0, 2, 1, 3, 4).float().contiguous()
