@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -226,6 +227,39 @@ def test_a_rerun_writes_only_the_missing_shards(prepared: Path, tmp_path: Path) 
     assert [e["step"] for e in rerun if e["event"] == "start"] == [5]  # 5 of 7 shards found done
     assert shard_path(copy, 0).stat().st_mtime == 1
     assert (copy / INDEX_FILE).read_text() == (prepared / INDEX_FILE).read_text()
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """A full disk as this process sees it: writes past `limit` bytes fail with EFBIG."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the error instead of being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_shard_that_cannot_be_written_fails_the_run_and_a_rerun_completes(prepared: Path,
+                                                                            tmp_path: Path) -> None:
+    # Shards are written on a thread while the next is encoded: its error must still stop the run, and
+    # no shard may be counted or left half-written.
+    copy = tmp_path / "copy"
+    shutil.copytree(prepared, copy)
+    for shard in (2, 5):
+        shard_path(copy, shard).unlink()
+    size = shard_path(copy, 0).stat().st_size
+    message = r"cannot write .*shard_00000\d\.safetensors: .*File too large.*make room there"
+    with restored_environ(), file_size_limit(size // 2), pytest.raises(OSError, match=message) as failed:
+        PrepareTask(copy, {"device": "cpu", "torch_threads": 1}, batch=2)()
+    assert len(str(failed.value).splitlines()) == 1
+    assert not shard_path(copy, 2).exists() and not shard_path(copy, 5).exists()
+    assert not list((copy / "shards").glob(".shard_*"))  # the temporary file is removed
+    with restored_environ():
+        result = PrepareTask(copy, {"device": "cpu", "torch_threads": 1}, batch=2)()
+    assert result["ok"] and result["shards_written"] == 2 and result["shards_done"] == 7
 
 
 def test_a_signalled_shard_is_finished_only_when_that_fits() -> None:

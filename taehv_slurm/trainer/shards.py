@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from taehv_slurm.messages import first_line
 from taehv_slurm.runtime.runfiles import fsync_dir
 from taehv_slurm.trainer.manifest import FORMAT, INDEX_FILE, Manifest, write_csv
 from taehv_slurm.trainer.shapes import SPATIAL_FACTOR, TIME_FACTOR
@@ -79,8 +80,11 @@ def write_shard(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappi
         finally:
             os.close(fd)
         os.rename(tmp, path)
-    except BaseException:
+    except BaseException as err:
         tmp.unlink(missing_ok=True)
+        if isinstance(err, Exception) and not isinstance(err, OSError):  # safetensors' own I/O error type
+            raise OSError(f"cannot write {path}: {first_line(err)}; make room there (or pass another --out) "
+                          "and run the same command again: the finished shards are kept") from None
         raise
     fsync_dir(path.parent)
 
