@@ -90,8 +90,6 @@ MODES = ("eager", "compile")
 
 def teacher_in_mode(make_teacher: Callable[[], Teacher], mode: str) -> Teacher:
     """A fresh teacher, eager or compiled as `jobs.prepare` compiles it (`Teacher.compile`)."""
-    if mode not in MODES:
-        sys.exit(f"error: --modes takes {' and '.join(MODES)}; got {mode!r}")
     teacher = make_teacher()
     if mode == "compile":
         teacher.compile()
@@ -265,6 +263,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out",
                    help="JSON file for the results (default bench/results/prepare_throughput_<device>.json)")
     args = p.parse_args(argv)
+    if unknown := set(args.modes.split(",")) - set(MODES):
+        p.error(f"--modes takes {' and '.join(MODES)}; got {', '.join(sorted(unknown))}")
+    if args.profile and args.profile.split(":")[0] not in MODES:
+        p.error(f"--profile takes MODE:BATCH with MODE {' or '.join(MODES)}; got {args.profile!r}")
     args.decode_videos, args.decode_video_frames, args.decode_rounds = 3, 48, 2
     args.decode_frames, args.decode_height, args.decode_width = 12, 480, 720
     args.read_clips, args.read_shard_size, args.read_rounds = 64, 32, 2
