@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,18 +81,29 @@ def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False) 
     failed with exit code -15: seen on the testbed)."""
     # /bin/sh by its path: a job's setup lines may have replaced PATH (scontrol's own path was kept)
     command = ["/bin/sh", "-c", 'trap "" TERM; exec "$0" "$@"', *argv] if survive_term else list(argv)
+    # SIGTERM blocked from the fork on (the child inherits the mask; the trap then discards it): a SIGTERM
+    # that reached the shell before its trap ended `scontrol release` after a requeuehold on the testbed,
+    # and left the job held for good.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if survive_term else None
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     except FileNotFoundError:
         return Answer(False, error=f"{argv[0]} not found (not installed here, or not on PATH)")
+    finally:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
         return Answer(False, error=f"{os.path.basename(argv[0])} did not answer within {timeout_s:.0f} s")
-    if result.returncode != 0:
-        if says_no_slurm(result.stderr):
-            return Answer(False, result.stdout, NO_SLURM_HINT)
-        lines = (result.stderr or result.stdout).strip().splitlines()
-        return Answer(False, result.stdout, lines[-1].strip() if lines else f"exit code {result.returncode}")
-    return Answer(True, result.stdout)
+    if process.returncode != 0:
+        if says_no_slurm(stderr):
+            return Answer(False, stdout, NO_SLURM_HINT)
+        lines = (stderr or stdout).strip().splitlines()
+        return Answer(False, stdout, lines[-1].strip() if lines else f"exit code {process.returncode}")
+    return Answer(True, stdout)
 
 
 def scontrol() -> str | None:
