@@ -82,7 +82,7 @@ def write_shard(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappi
         os.rename(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        if isinstance(err, Exception) and not isinstance(err, OSError):  # safetensors' own I/O error type
+        if type(err).__name__ == "SafetensorError" and "I/O error" in str(err):  # safetensors' own type
             raise OSError(f"cannot write {path}: {first_line(err)}; make room there (or pass another --out) "
                           "and run the same command again: the finished shards are kept") from None
         raise
