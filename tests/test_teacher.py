@@ -12,7 +12,6 @@ from taehv_slurm.trainer.teacher import Teacher, load_teacher
 from taehv_slurm.trainer.teacher_fast import (
     ChannelSumGroupNorm,
     FrameCausalMidBlock3D,
-    channels_last_friendly,
     frame_causal_attention,
 )
 
@@ -42,8 +41,7 @@ def test_the_fast_encoder_gives_diffusers_latents() -> None:
     torch.testing.assert_close(teacher.latents(frames), expected, rtol=1e-5, atol=1e-5)
 
     # What Teacher.compile() compiles: channels-last with per-channel-sum GroupNorms.
-    channels_last_friendly(vae.encoder)
-    teacher.to(torch.device("cpu"), torch.float32, channels_last=True)
+    teacher.use_channels_last()
     swapped = [type(m) for m in vae.encoder.modules()]
     assert ChannelSumGroupNorm in swapped
     assert nn.GroupNorm not in swapped and set(vae.state_dict()) == set(published)  # same weights, same keys

@@ -69,6 +69,7 @@ def write_shard(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappi
                 tag: str = "") -> None:
     """Write a safetensors file atomically: temporary name in the same folder, fsync, rename, fsync the
     folder."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tmp = path.with_name(f".{path.name}.tmp-{tag}{'-' if tag else ''}{uuid.uuid4().hex[:8]}")
@@ -82,7 +83,7 @@ def write_shard(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mappi
         os.rename(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        if type(err).__name__ == "SafetensorError" and "I/O error" in str(err):  # safetensors' own type
+        if isinstance(err, SafetensorError) and "I/O error" in str(err):  # not an OSError
             raise OSError(f"cannot write {path}: {first_line(err)}; make room there (or pass another --out) "
                           "and run the same command again: the finished shards are kept") from None
         raise
