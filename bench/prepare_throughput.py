@@ -4,12 +4,12 @@
     python bench/prepare_throughput.py --batches 1,4,8 --modes eager
     python bench/prepare_throughput.py --smoke       # CPU, tiny sizes, seconds: checks the script runs
 
-teacher  `Teacher.latents` (the path `jobs.prepare` runs) on uint8 windows already on the device: diffusers'
-         AutoencoderKLHunyuanVideo in its default config (246.5 M parameters) with random weights (the cost
-         does not depend on the values), bf16, tiling off, 16-frame windows of which the teacher encodes the
-         first 13 (1 + 4k) at 480×720. Timed with CUDA events after warm-up (which includes compilation);
-         peak memory per setting. "compile" is `Teacher.compile()`, what `jobs.prepare` does by default
-         (static shapes, channels-last, taehv_slurm/trainer/teacher_fast.py).
+teacher  `Teacher.latents` (the path `jobs.prepare` runs) on uint8 windows already on the device: the encoder
+         of HunyuanVideo's VAE in its default config (taehv_slurm/trainer/hunyuan_encoder.py) with random
+         weights (the cost does not depend on the values), bf16, 16-frame windows of which the teacher
+         encodes the first 13 (1 + 4k) at 480×720. Timed with CUDA events after warm-up (which includes
+         compilation); peak memory per setting. "compile" is `Teacher.compile()`, what `jobs.prepare` does
+         by default (static shapes, channels-last).
 decode   `VideoFolderClips.read_window` (seek, decode, resize/crop) of 12-frame 720×480 windows from H.264
          files this script writes (moving synthetic scenes). Reported per CPU-second of the process (all
          its decoder threads), i.e. clips/s per core, and per wall second for one process.
@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._record import run_info, write_results  # noqa: E402
 from taehv_slurm.trainer.data import ClipSpec, SyntheticClips, VideoFolderClips  # noqa: E402
+from taehv_slurm.trainer.hunyuan_encoder import EncoderSettings, HunyuanVideoEncoder  # noqa: E402
 from taehv_slurm.trainer.manifest import FORMAT, Manifest  # noqa: E402
 from taehv_slurm.trainer.prepared import PreparedClips  # noqa: E402
 from taehv_slurm.trainer.shapes import teacher_frame_count  # noqa: E402
@@ -50,15 +51,11 @@ GIB = 2**30
 # ------------------------------------------------------------------------------------------- teacher
 
 
-def default_hunyuan_vae(device: torch.device) -> torch.nn.Module:
-    """diffusers' AutoencoderKLHunyuanVideo, default config, random weights, built directly on `device`."""
-    try:
-        from diffusers import AutoencoderKLHunyuanVideo
-    except ImportError:
-        sys.exit("error: the teacher benchmark needs diffusers (pip install 'diffusers>=0.32'); "
-                 "or run --smoke")
-    with torch.device(device):  # initialise on the GPU: 246 M parameters at CPU init speed take minutes
-        return AutoencoderKLHunyuanVideo()
+def default_hunyuan_encoder(device: torch.device) -> torch.nn.Module:
+    """HunyuanVideo's VAE encoder (taehv_slurm/trainer/hunyuan_encoder.py), default config, random weights,
+    built directly on `device`."""
+    with torch.device(device):  # initialise on the GPU: 100 M parameters at CPU init speed take a while
+        return HunyuanVideoEncoder(EncoderSettings())
 
 
 def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> tuple[float, float]:
@@ -149,7 +146,7 @@ def profile_teacher(make_teacher: Callable[[], Teacher], device: torch.device,
 
 
 def teacher_dtype(teacher: Teacher) -> torch.dtype:
-    return next(teacher.vae.parameters()).dtype
+    return next(teacher.encoder.parameters()).dtype
 
 
 # -------------------------------------------------------------------------------------------- decode
@@ -296,14 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             def make_teacher() -> Teacher:
                 return load_teacher("hunyuanvideo", "random:tiny")
-            info["default_vae_parameters"] = sum(p.numel() for p in
-                                                 default_hunyuan_vae(torch.device("meta")).parameters())
+            info["default_encoder_parameters"] = sum(p.numel() for p in
+                                                 default_hunyuan_encoder(torch.device("meta")).parameters())
         else:
             torch.backends.cudnn.benchmark = True  # fixed shapes per setting: what jobs.prepare does too
 
             def make_teacher() -> Teacher:
-                return Teacher(default_hunyuan_vae(device)).to(device, torch.bfloat16)
-            info["teacher_parameters"] = sum(p.numel() for p in default_hunyuan_vae(torch.device("meta"))
+                return Teacher(default_hunyuan_encoder(device)).to(device, torch.bfloat16)
+            info["teacher_parameters"] = sum(p.numel() for p in default_hunyuan_encoder(torch.device("meta"))
                                              .parameters())
         rows += bench_teacher(make_teacher, device, args)
         if args.profile:

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from taehv_slurm.trainer.hunyuan_encoder import ENCODER_PREFIXES
 from tests.helpers import REPO
 
 
@@ -24,9 +27,18 @@ def run_smoke(script: str, out: Path, timeout: int = 300) -> tuple[subprocess.Co
     return run, result
 
 
+def published_encoder_parameters() -> int:
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    with torch.device("meta"):
+        vae = AutoencoderKLHunyuanVideo()
+    return sum(p.numel() for name, p in vae.named_parameters() if name.startswith(ENCODER_PREFIXES))
+
+
 def test_prepare_throughput_smoke(tmp_path: Path) -> None:
     run, result = run_smoke("prepare_throughput.py", tmp_path / "prepare.json")
-    assert result["info"]["default_vae_parameters"] == 246_478_803  # the GPU mode's teacher: default config
+    # the GPU mode's teacher: diffusers' default HunyuanVideo VAE less its decoder
+    assert result["info"]["default_encoder_parameters"] == published_encoder_parameters()
     sections = {row["section"]: row for row in result["rows"]}
     assert set(sections) == {"teacher", "decode", "read"}
     assert all("error" not in row for row in result["rows"]), result["rows"]

@@ -1,7 +1,7 @@
 """The preparation job: decode every video window, encode it with the teacher, store both in shards.
 
-The teacher's encode costs ~7× the student's training step per clip (8.3 vs 55 clips/s per GPU,
-docs/benchmarks.md "Data"), so it runs once per window, ahead of training, on every GPU of a job; the
+The teacher's encode costs ~5× the student's training step per clip (9.3–9.7 vs ~50 clips/s on an H100,
+docs/benchmarks.md), so it runs once per window, ahead of training, on every GPU of a job; the
 trainer then reads frames and latents together (`taehv_slurm.trainer.prepared.PreparedClips`,
 `data.source: prepared`). The folder's window list is `taehv_slurm.trainer.manifest`, its shard files
 `taehv_slurm.trainer.shards`.
@@ -143,7 +143,7 @@ class _Worker:
             if self.task.compile:
                 use_compile_cache(self.task.runtime.compile_cache_dir)  # every shard job, rank and requeue
                 teacher.compile()
-        self.teacher, self.latent_channels = teacher, int(teacher.vae.config.latent_channels)
+        self.teacher, self.latent_channels = teacher, teacher.latent_channels
         clips = open_clips(manifest)
         done_before = manifest.num_shards - len(remaining)
         ctx.started(done_before, shards=manifest.num_shards, remaining=len(remaining),

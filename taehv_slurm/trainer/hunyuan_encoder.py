@@ -1,0 +1,278 @@
+"""HunyuanVideo's VAE encoder, read from a diffusers folder without importing diffusers, arranged for speed.
+
+Why our own module: on every rank that loads a teacher, `import diffusers` took 9–10 s on an H100 machine
+(it imports every autoencoder, the UNet blocks, its transformer models and Hugging Face transformers; the
+teacher needs none of them), about 40 % of `jobs.prepare`'s start to first shard (docs/benchmarks.md). This
+module is the encoder alone: the same parameter names as diffusers' `AutoencoderKLHunyuanVideo` (its
+`encoder.*` and `quant_conv.*` weights load unchanged from `diffusion_pytorch_model.safetensors`), the same
+math, tested against diffusers' own latents (tests/test_teacher.py). Its computation differs from diffusers'
+only in order and layout, for speed (compiled, batch 2 of 13×480×720: 7.9 → 10.9 clips/s on an H100):
+
+- The mid-block attention: diffusers builds a dense (T·h·w)² causal mask (0.9 GB per clip at 480×720) and
+  runs the masked attention. Frame t's tokens see frames ≤ t, so attending per frame to the frames so far is
+  the same softmax without the mask (masked keys add exp(−inf) = 0): less memory, no mask to build.
+- channels-last (NDHWC, `use_channels_last`, what `Teacher.compile` compiles): cuDNN's 3-D convolutions read
+  and write NDHWC; in NCDHW every convolution pays a transpose in and out (16 % of the compiled encoder's
+  GPU time).
+- GroupNorm statistics from per-channel sums (channels-last only): in NDHWC a group's channels are interleaved
+  with all the others, and Inductor's GroupNorm reductions took ~4× as long as in NCDHW (80 of 240 ms a call
+  on an H200), more than the transposes saved. Summing per channel first is a coalesced column reduction; a
+  group's sums are added after (two passes, the variance about the mean).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CLASS_NAME = "AutoencoderKLHunyuanVideo"  # diffusers' class, named in the folder's config.json
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX = WEIGHTS + ".index.json"  # a sharded save
+ENCODER_PREFIXES = ("encoder.", "quant_conv.")  # the parameters of the VAE that encode
+SUPPORTED_ACTIVATIONS = ("silu", "swish")  # both torch's SiLU in diffusers
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderSettings:
+    """The encoder's part of an `AutoencoderKLHunyuanVideo` config (diffusers' defaults)."""
+
+    in_channels: int = 3
+    latent_channels: int = 16
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
+    layers_per_block: int = 2
+    norm_num_groups: int = 32
+    spatial_compression_ratio: int = 8
+    temporal_compression_ratio: int = 4
+    mid_block_add_attention: bool = True
+    scaling_factor: float = 0.476986
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> EncoderSettings | None:
+        """From a diffusers config.json; None where it asks for something this module does not reproduce."""
+        blocks = config.get("down_block_types", ["HunyuanVideoDownBlock3D"] * 4)
+        if (config.get("_class_name", CLASS_NAME) != CLASS_NAME
+                or config.get("act_fn", "silu") not in SUPPORTED_ACTIVATIONS
+                or any(b != "HunyuanVideoDownBlock3D" for b in blocks)
+                or config.get("temporal_compression_ratio", 4) != 4):  # diffusers' decoder has no other
+            return None
+        known = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config}
+        if "block_out_channels" in known:
+            known["block_out_channels"] = tuple(known["block_out_channels"])
+        settings = cls(**known)
+        return settings if len(blocks) == len(settings.block_out_channels) else None
+
+
+class GroupNorm(nn.GroupNorm):
+    """nn.GroupNorm; with `channel_sums` (the channels-last form) its statistics are per-channel sums first,
+    the same result in fewer passes over NDHWC memory."""
+
+    channel_sums = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.channel_sums:
+            return super().forward(x)
+        n, c = x.shape[:2]
+        per_group = c // self.num_groups
+        dims = tuple(range(2, x.dim()))
+        count = per_group * x[0, 0].numel()
+        shape = (n, c) + (1,) * (x.dim() - 2)
+        xf = x.float()
+        mean = xf.sum(dims).view(n, self.num_groups, per_group).sum(-1).div(count)
+        mean_c = mean.repeat_interleave(per_group, dim=1).view(shape)
+        var = (xf - mean_c).square().sum(dims).view(n, self.num_groups, per_group).sum(-1).div(count)
+        scale = torch.rsqrt(var + self.eps).repeat_interleave(per_group, dim=1)
+        if self.affine:
+            scale = scale * self.weight.float()
+        shift = -mean_c.view(n, c) * scale + (self.bias.float() if self.affine else 0)
+        return (xf * scale.view(shape) + shift.view(shape)).to(x.dtype)
+
+
+class CausalConv3d(nn.Module):
+    """A 3-D convolution padded by replication: half the kernel on each side in space, all of it before the
+    first frame in time (frame t sees frames ≤ t)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3,
+                 stride: int | tuple[int, int, int] = 1) -> None:
+        super().__init__()
+        k = kernel_size
+        self.padding = (k // 2, k // 2, k // 2, k // 2, k - 1, 0)  # W, H, then T (before the first frame)
+        self.conv = nn.Conv3d(in_channels, out_channels, kernel_size, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if any(self.padding):
+            x = F.pad(x, self.padding, mode="replicate")
+        return self.conv(x)
+
+
+class ResnetBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, groups: int) -> None:
+        super().__init__()
+        self.norm1 = GroupNorm(groups, in_channels, eps=1e-6)
+        self.conv1 = CausalConv3d(in_channels, out_channels)
+        self.norm2 = GroupNorm(groups, out_channels, eps=1e-6)
+        self.conv2 = CausalConv3d(out_channels, out_channels)
+        self.conv_shortcut = (CausalConv3d(in_channels, out_channels, 1) if in_channels != out_channels
+                              else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(F.silu(self.norm2(h)))
+        return h + (self.conv_shortcut(x) if self.conv_shortcut is not None else x)
+
+
+class Downsample(nn.Module):
+    def __init__(self, channels: int, stride: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.conv = CausalConv3d(channels, channels, 3, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class DownBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, layers: int, groups: int,
+                 stride: tuple[int, int, int] | None) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList(
+            ResnetBlock(in_channels if i == 0 else out_channels, out_channels, groups) for i in range(layers))
+        self.downsamplers = nn.ModuleList([Downsample(out_channels, stride)]) if stride else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        for downsampler in self.downsamplers or ():
+            x = downsampler(x)
+        return x
+
+
+class Attention(nn.Module):
+    """The VAE's single-head self-attention block (GroupNorm, q/k/v, output projection, residual), each
+    frame's tokens attending to the tokens of frames ≤ its own."""
+
+    def __init__(self, channels: int, groups: int) -> None:
+        super().__init__()
+        self.group_norm = GroupNorm(groups, channels, eps=1e-6)
+        self.to_q, self.to_k, self.to_v = (nn.Linear(channels, channels) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(channels, channels), nn.Dropout(0.0)])  # diffusers' key names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, t, h, w = x.shape
+        tokens = self.group_norm(x).flatten(2).transpose(1, 2)  # N × THW × C, frame-major
+        q, k, v = (proj(tokens).unsqueeze(1) for proj in (self.to_q, self.to_k, self.to_v))  # one head
+        hw = h * w
+        out = torch.cat([F.scaled_dot_product_attention(q[:, :, f * hw:(f + 1) * hw], k[:, :, :(f + 1) * hw],
+                                                        v[:, :, :(f + 1) * hw]) for f in range(t)], dim=2)
+        out = self.to_out[0](out.squeeze(1))
+        return out.transpose(1, 2).reshape(n, c, t, h, w) + x
+
+
+class MidBlock(nn.Module):
+    def __init__(self, channels: int, groups: int, attention: bool) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([ResnetBlock(channels, channels, groups) for _ in range(2)])
+        self.attentions = nn.ModuleList([Attention(channels, groups) if attention else None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resnets[0](x)
+        if self.attentions[0] is not None:
+            x = self.attentions[0](x)
+        return self.resnets[1](x)
+
+
+class Encoder3D(nn.Module):
+    """diffusers' HunyuanVideoEncoder3D: frames N×3×T×H×W → 2·latent channels at T/4 (1 + 4k → 1 + k), H/8,
+    W/8 for the default ratios."""
+
+    def __init__(self, s: EncoderSettings) -> None:
+        super().__init__()
+        channels = s.block_out_channels
+        groups = s.norm_num_groups
+        self.conv_in = CausalConv3d(s.in_channels, channels[0])
+        spatial_layers = int(math.log2(s.spatial_compression_ratio))
+        time_layers = int(math.log2(s.temporal_compression_ratio))
+        blocks = []
+        for i, out in enumerate(channels):
+            final = i == len(channels) - 1
+            spatial = i < spatial_layers
+            time = i >= len(channels) - 1 - time_layers and not final  # halved in the blocks before the last
+            stride = (2 if time else 1, 2 if spatial else 1, 2 if spatial else 1)
+            blocks.append(DownBlock(channels[i - 1] if i else channels[0], out, s.layers_per_block, groups,
+                                    stride if spatial or time else None))
+        self.down_blocks = nn.ModuleList(blocks)
+        self.mid_block = MidBlock(channels[-1], groups, s.mid_block_add_attention)
+        self.conv_norm_out = GroupNorm(groups, channels[-1], eps=1e-6)
+        self.conv_out = CausalConv3d(channels[-1], 2 * s.latent_channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        x = self.mid_block(x)
+        return self.conv_out(F.silu(self.conv_norm_out(x)))
+
+
+class HunyuanVideoEncoder(nn.Module):
+    """Frames N×3×T×H×W in [−1, 1] → the posterior's mode, N×latent_channels×T'×H/8×W/8 (unscaled): what
+    diffusers' `vae.encode(x).latent_dist.mode()` returns, without temporal or spatial tiling."""
+
+    def __init__(self, settings: EncoderSettings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.latent_channels = settings.latent_channels
+        self.scaling_factor = settings.scaling_factor
+        self.encoder = Encoder3D(settings)
+        self.quant_conv = nn.Conv3d(2 * settings.latent_channels, 2 * settings.latent_channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_conv(self.encoder(x))[:, : self.latent_channels]  # the mean: the mode of a Gaussian
+
+    def use_channels_last(self) -> None:
+        """NDHWC weights, and GroupNorms that sum per channel: the form `Teacher.compile` compiles."""
+        for module in self.modules():
+            if isinstance(module, GroupNorm):
+                module.channel_sums = True
+        self.to(memory_format=torch.channels_last_3d)
+
+
+def weight_files(folder: Path) -> list[Path] | None:
+    """The folder's safetensors files (one, or the shards its index names); None if it has neither."""
+    if (folder / WEIGHTS).is_file():
+        return [folder / WEIGHTS]
+    if (folder / WEIGHTS_INDEX).is_file():
+        index = json.loads((folder / WEIGHTS_INDEX).read_text())
+        return [folder / name for name in sorted(set(index["weight_map"].values()))]
+    return None
+
+
+def load_encoder(folder: str | Path) -> HunyuanVideoEncoder | None:
+    """The encoder of the HunyuanVideo VAE saved in a diffusers folder (config.json + safetensors), reading
+    only the encoder's weights; None where the folder is in a form this does not read (weights only as a
+    pickle, another architecture, renamed parameters): the caller then loads it with diffusers."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    settings = EncoderSettings.from_config(json.loads((folder / "config.json").read_text()))
+    files = weight_files(folder)
+    if settings is None or files is None:
+        return None
+    with torch.device("meta"):  # no initialisation: every parameter is replaced by the stored one
+        model = HunyuanVideoEncoder(settings)
+    state = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names = [k for k in f.keys() if k.startswith(ENCODER_PREFIXES)]  # noqa: SIM118 (not a dict)
+                state.update((k, f.get_tensor(k)) for k in names)
+        except SafetensorError as err:  # a damaged or truncated file: one line, from the caller
+            raise ValueError(f"{file.name}: {err}") from None
+    if set(state) != set(model.state_dict()):
+        return None
+    model.load_state_dict(state, assign=True)
+    return model
