@@ -206,7 +206,7 @@ class SlurmBackend(Backend):
         if len(wanted) < len(set(nodes) - set(before)):
             fields["exclusion_capped"] = "the partition must still hold the job"
         if not released.ok:
-            fields["release_error"] = f"scontrol release {job_id}: {released.error}; release it by hand"
+            fields["release_error"] = f"scontrol release {job_id}: {released.error}"
         return Outcome("requeue", fields)
 
     def describe_live(self, holder: dict[str, Any]) -> str | None:

@@ -336,7 +336,10 @@ class JobHandle:
         state = self.state
         note = self.stop_reason or (self.error if not slurm.is_success(state) else None) or ""
         requeues = self.interruptions()
-        if requeues and not note:
+        unreleased = requeues[-1].get("release_error") if requeues and state == "PENDING" else None
+        if unreleased:  # requeued held to move it off a node, and the release failed: it waits for a person
+            note = f"held since its requeue ({unreleased}): run `scontrol release {self.job_id}`"
+        elif requeues and not note:
             killed = {e.get("segment"): e["detail"] for e in self.events() if e["event"] == "killed"}
             note = "; ".join(f"requeued at step {e['step']} ({killed.get(e.get('segment')) or e['reason']})"
                              for e in requeues)

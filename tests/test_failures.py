@@ -5,7 +5,8 @@ Faults come from outside the task, as a cluster inflicts them:
 - `repeats`: a task that fails the same way at the same step in every attempt (as an OOM does);
 - `startup`: a missing dataset, found when the job starts;
 - `killed`: one rank's process is killed with SIGKILL (as the out-of-memory killer does);
-- `step_killed`: `scancel --signal=KILL JOB.0`, every process of the job step at once.
+- `step_killed`: `scancel --signal=KILL JOB.0`, every process of the job step at once;
+- `unreleased`: a rank killed as above where scontrol refuses to release the job it requeued held.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -39,6 +41,7 @@ class Jobs:
     startup: JobHandle
     killed: JobHandle
     step_killed: JobHandle
+    unreleased: JobHandle
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +56,24 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
                  startup=submit_training(dataclasses.replace(one, check_data_on_submit=False), missing,
                                          "startup")[0],
                  killed=submit(until_killed, one, "killed"),
-                 step_killed=submit(until_killed, one, "step-killed"))
+                 step_killed=submit(until_killed, one, "step-killed"),
+                 unreleased=submit(until_killed, dataclasses.replace(
+                     one, env={"TAEHV_SCONTROL": str(refusing_release_scontrol(job_dir))}), "unreleased"))
     try:
         yield found
     finally:
-        subprocess.run(["scancel", found.killed.job_id, found.step_killed.job_id], capture_output=True)
+        subprocess.run(["scancel", found.killed.job_id, found.step_killed.job_id, found.unreleased.job_id],
+                       capture_output=True)
+
+
+def refusing_release_scontrol(folder: Path) -> Path:
+    """The real scontrol, except that `scontrol release` is refused as a site's policy can refuse it."""
+    wrapper = folder / "scontrol"
+    refuse = 'echo "scontrol: error: Access/permission denied" >&2; exit 1'
+    real = shutil.which("scontrol")
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = release ] && {{ {refuse}; }}\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 def test_a_diverged_run_fails_in_one_line_and_never_saves_garbage(tmp_path: Path) -> None:
@@ -124,6 +140,26 @@ def test_a_killed_rank_is_named_and_the_job_retries_on_another_node(jobs: Jobs) 
     assert requeue["reason"] == "killed" and requeue["excluded"] == [first["host"]]
     assert events(handle, "start")[-1]["host"] != first["host"]  # the next attempt ran elsewhere
     assert f"rank 0 on {first['host']} was killed by SIGKILL" in handle.summary()["note"]
+
+
+def test_a_job_left_held_after_its_requeue_says_so_and_how_to_release_it(jobs: Jobs) -> None:
+    """Moving a job off a failed node holds it while its excluded nodes change; if the release is then
+    refused, the job would wait held for good: status says so, with the command that releases it."""
+    handle = jobs.unreleased
+    wait_for(lambda: (rank_record(handle, 0).get("step") or 0) >= 5, 180, "the job to train")
+    os.kill(rank_record(handle, 0)["pid"], signal.SIGKILL)
+    wait_for(lambda: events(handle, "requeue"), 120, "the requeue to be recorded")
+    (requeue,) = events(handle, "requeue")
+    assert requeue["release_error"] == (f"scontrol release {handle.job_id}: scontrol: error: "
+                                        "Access/permission denied")
+    assert handle.state == "PENDING"
+    status = cli("jobs.status", handle.job_id, "--job-dir", str(handle.job_dir), "--format", "json")
+    (row,) = json.loads(status.stdout)
+    assert row["note"] == (f"held since its requeue ({requeue['release_error']}): "
+                           f"run `scontrol release {handle.job_id}`")
+    subprocess.run(["scontrol", "release", handle.job_id], check=True)  # what the note says to do
+    assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)
+    assert "held since" not in handle.summary()["note"]
 
 
 def test_a_job_step_killed_from_outside_names_the_signal_rank_and_host(jobs: Jobs) -> None:
