@@ -224,7 +224,6 @@ class HunyuanVideoEncoder(nn.Module):
 
     def __init__(self, settings: EncoderSettings) -> None:
         super().__init__()
-        self.settings = settings
         self.latent_channels = settings.latent_channels
         self.scaling_factor = settings.scaling_factor
         self.encoder = Encoder3D(settings)

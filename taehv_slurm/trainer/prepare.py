@@ -143,7 +143,7 @@ class _Worker:
             if self.task.compile:
                 use_compile_cache(self.task.runtime.compile_cache_dir)  # every shard job, rank and requeue
                 teacher.compile()
-        self.teacher, self.latent_channels = teacher, teacher.latent_channels
+        self.teacher = teacher
         clips = open_clips(manifest)
         done_before = manifest.num_shards - len(remaining)
         ctx.started(done_before, shards=manifest.num_shards, remaining=len(remaining),
@@ -252,7 +252,7 @@ class _Worker:
         tensors = {
             "frames": torch.cat(frames) if frames else torch.empty((0, t, 3, h, w), dtype=torch.uint8),
             "latents": torch.cat(latents).cpu() if latents else torch.empty(
-                (0, t // TIME_FACTOR, self.latent_channels, h // SPATIAL_FACTOR, w // SPATIAL_FACTOR),
+                (0, t // TIME_FACTOR, self.teacher.latent_channels, h // SPATIAL_FACTOR, w // SPATIAL_FACTOR),
                 dtype=torch.bfloat16),
         }
         meta = shard_metadata(shard, stored, [manifest.windows[w] for w in stored], failed, manifest.spec,

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from taehv_slurm.messages import first_line
-from taehv_slurm.trainer.hunyuan_encoder import EncoderSettings, HunyuanVideoEncoder, load_encoder
+from taehv_slurm.trainer.hunyuan_encoder import CLASS_NAME, EncoderSettings, HunyuanVideoEncoder, load_encoder
 from taehv_slurm.trainer.shapes import teacher_frame_count
 
 
@@ -97,7 +97,7 @@ def load_teacher(kind: str, path: str, scaling_factor: float | None = None, seed
 
     HunyuanVideo's encoder is read by `hunyuan_encoder` without importing diffusers (9–10 s a rank); other
     kinds, and a HunyuanVideo folder in a form it does not read, load through diffusers."""
-    classes = {"hunyuanvideo": "AutoencoderKLHunyuanVideo", "cogvideox": "AutoencoderKLCogVideoX",
+    classes = {"hunyuanvideo": CLASS_NAME, "cogvideox": "AutoencoderKLCogVideoX",
                "wan": "AutoencoderKLWan"}
     if kind not in classes:
         raise ValueError(f"teacher.kind {kind!r} is not one of {', '.join(classes)}")
