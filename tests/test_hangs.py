@@ -1,8 +1,8 @@
 """Left alone for a night (real Slurm testbed, 3 nodes; faults inflicted from outside the job):
 
-- `hung`: one rank of a 2-node training gets SIGSTOP mid-run. Every other rank then waits in the gradient
-  all-reduce; the watchdogs find it within max(30 s, 5 × the slowest step), write the bundle, and the job
-  restarts without that node from its last checkpoint and completes.
+- `hung`: one rank of a 2-node training gets SIGSTOP mid-run. Every other rank then waits in a collective
+  (mostly the gradient all-reduce); the watchdogs find it within max(30 s, 5 × the slowest step), write the
+  bundle, and the job restarts without that node from its last checkpoint and completes.
 - `slowed`: one rank of a long training is slowed by a SIGSTOP/SIGCONT duty cycle: it is named slow, the
   job goes on training (no hang, no requeue), and is then cancelled.
 - the clean runs of this suite name no slow rank and find no hang (checked on a run beside `hung`);
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -84,7 +85,9 @@ def test_a_stopped_rank_is_found_named_and_left_behind(jobs: Jobs) -> None:
     bundle = Path(hang["bundle"])
     assert (bundle / "verdict.txt").read_text().strip() == hang["detail"]
     stacks = (bundle / "stacks-rank-0.txt").read_text()
-    assert "Thread" in stacks and "all_reduce" in stacks  # rank 0 waited in the gradient all-reduce
+    # rank 0 waits in a collective of torch.distributed: the gradient all-reduce, or those of the checkpoint
+    # when the victim stopped between the two (CI once caught it there)
+    assert "Thread" in stacks and re.search(r"distributed_c10d\.py\", line \d+ in \w+", stacks), stacks
     (requeue,) = wait_for(lambda: events(handle, "requeue"), 120, "the requeue after the verdict")
     assert requeue["reason"] == "hang" and requeue["excluded"] == [victim["host"]]
     assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
