@@ -10,7 +10,7 @@ run() { local name=$1; shift; echo "=== $name"; timeout "${LIMIT:-400}" "$@" 2>&
 if [[ $part == e2e || $part == all ]]; then
   LIMIT=1500 run e2e python3 bench/e2e_throughput.py --out "$out/e2e_throughput.json"
   run loader python3 bench/loader_throughput.py --workers 1,2,4,8,12 --seconds 6 --out "$out/loader_throughput.json"
-  LIMIT=1500 run gpu_tests python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu.py
+  LIMIT=1500 run gpu_tests python3 -m pytest -m gpu -n 0 -q -s -p no:cacheprovider tests/test_gpu.py
 fi
 if [[ $part == single || $part == all ]]; then
   run single python3 bench/train_throughput.py --variants compile_cl --batch ${BATCH:-4,8} --profile compile_cl:4 --out "$out/train_single.json"

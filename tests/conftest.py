@@ -1,7 +1,8 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules, and the one Slurm testbed of a test run."""
 
 from __future__ import annotations
 
+import fcntl
 import time
 from collections.abc import Iterator
 
@@ -9,21 +10,58 @@ import pytest
 
 from tests.slurm_testbed import REPO, Testbed, TestbedError
 
+TESTBED = Testbed(REPO / ".testbed", nodes=3)  # 3: a job of 2 nodes can be requeued without a failed one
+# Under pytest-xdist the workers share one testbed: the first to need it starts it (the others wait on this
+# lock, then find it up), and the controller stops it once every worker has finished.
+START_LOCK = REPO / ".testbed.lock"
+was_up_before_the_run = pytest.StashKey[bool]()
+
+
+def _is_xdist_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
+
+
+# The modules that take longest (mostly waiting out Slurm's clock: time limits, preemptions, hangs) run
+# first, so the two xdist workers end together instead of one finishing the longest module alone; the rest
+# keep their order. Set by `--durations` of whole runs (docs/benchmarks.md, the suite).
+LONGEST_FIRST = ("test_requeue.py", "test_any_world_size.py", "test_requeue_outcomes.py", "test_hangs.py",
+                 "test_bench_smoke.py", "test_failures.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module's own order stays
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _is_xdist_controller(config):
+        config.stash[was_up_before_the_run] = TESTBED.is_up()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not config.stash.get(was_up_before_the_run, True):
+        TESTBED.stop()
+
 
 # ===================================================================== the real Slurm testbed (begin)
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[Testbed]:
+def slurm_cluster(pytestconfig: pytest.Config) -> Iterator[Testbed]:
     """A real 3-node Slurm cluster (tb1-tb3; 8 fake GPUs and 16 CPUs each; accounting on) on this machine.
 
-    Started once per test session under <repo>/.testbed and stopped at the end; if the CLI
+    Started once per test run under <repo>/.testbed and stopped at its end; if the CLI
     (`python -m tests.slurm_testbed start`) already runs that testbed, it is used and left running.
     SLURM_CONF is set in os.environ for the whole session, so tests call sbatch/squeue/sacct and submitit
     directly. Missing Slurm or not root is a failure (never a skip): run scripts/setup.sh.
     """
-    bed = Testbed(REPO / ".testbed", nodes=3)  # 3: a job of 2 nodes can be requeued without a failed one
+    bed = TESTBED
     began = time.monotonic()
     try:
-        bed.start()
+        with open(START_LOCK, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            bed.start()
     except TestbedError as err:
         pytest.fail(str(err), pytrace=False)
     how = "kept running" if bed.reused else f"up in {time.monotonic() - began:.1f} s"
@@ -34,6 +72,7 @@ def slurm_cluster() -> Iterator[Testbed]:
                 environ.setenv(key, value)
             yield bed
     finally:
-        if not bed.reused:  # one the CLI (or someone else) had started stays up for them
+        # a worker leaves it to the controller; one the CLI (or someone else) had started stays up for them
+        if not bed.reused and not hasattr(pytestconfig, "workerinput"):
             bed.stop()
 # ======================================================================= the real Slurm testbed (end)

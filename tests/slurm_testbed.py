@@ -110,7 +110,7 @@ class Testbed:
         stopped first and started clean. On failure, what was started is stopped again.
         """
         self._preflight()
-        self.reused = self._already_up()
+        self.reused = self.is_up()
         if self.reused:
             return
         self.stop()
@@ -157,7 +157,7 @@ class Testbed:
         return ((["mariadbd", "slurmdbd"] if self.accounting else []) + ["slurmctld"]
                 + [f"slurmd-{n}" for n in self.node_names])
 
-    def _already_up(self) -> bool:
+    def is_up(self) -> bool:
         """This root's testbed, with exactly this configuration, runs and answers."""
         if not self.conf.exists() or self.conf.read_text() != slurm_conf(self) or not _munge_works():
             return False

@@ -2,7 +2,7 @@
 (`python -m jobs.submit --local`).
 
 Marked `gpu`: skipped where no CUDA device exists (CI is CPU-only); run on a GPU machine with
-`python -m pytest -m gpu -q`. configs/train/taehv.yaml as shipped, made small (128×192 synthetic clips,
+`python -m pytest -m gpu -n 0 -q`. configs/train/taehv.yaml as shipped, made small (128×192 synthetic clips,
 12 steps, lr warmup of 2 steps so the loss visibly falls), run with 1, 2, 4 and 32 micro-batches per step
 under every `engine.compile_mode`, with validation and checkpoints in between:
 - every run completes (exit 0, COMPLETED) and its loss falls;

@@ -132,20 +132,18 @@ def test_names_machines_and_config_files(tmp_path: Path) -> None:
 @pytest.mark.usefixtures("slurm_cluster")
 def test_on_slurm_nothing_reaches_the_queue(tmp_path: Path) -> None:
     job_dir = tmp_path / "runs"
-    before = job_ids()
     done = cli("jobs.submit", "--cluster", "configs/cluster/testbed.yaml", *TINY, "--nodes", "1",
                "--set", f"job_dir={job_dir}", *on_videos(tmp_path / "nope"), "--name", "queued")
     assert done.returncode == 2
     assert [line.split(":")[0] for line in errors(done)] == ["data"]
-    assert job_ids() == before and not job_dir.exists()
+    assert jobs_writing_under(job_dir) == [] and not job_dir.exists()
 
 
-def job_ids() -> list[str]:
-    """Every job Slurm knows of: queued or running (squeue), and ended today (sacct)."""
-    queued = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
-    ended = subprocess.run(["sacct", "-X", "-n", "-a", "-o", "JobID", "-S", "now-1days"],
-                           capture_output=True, text=True).stdout.split()
-    return sorted(set(queued + ended))
+def jobs_writing_under(folder: Path) -> list[str]:
+    """Slurm's jobs, queued, running or ended in the last MinJobAge (300 s on the testbed), whose output
+    or script lies under `folder` (other tests' jobs share the testbed)."""
+    shown = subprocess.run(["scontrol", "-o", "show", "jobs"], capture_output=True, text=True, check=True)
+    return [line.split()[0] for line in shown.stdout.splitlines() if str(folder) in line]
 
 
 def test_a_resume_shows_what_changed_refuses_another_model_and_records_each_attempt(tmp_path: Path) -> None:
