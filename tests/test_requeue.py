@@ -60,7 +60,7 @@ def trained_steps(run_dir: Path) -> list[int]:
 
 
 def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
-    cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=2, time_min=30)
+    cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=1, time_min=30)  # a rank on each of 2 nodes
     # Without the teacher, at 32×32 (quick_train): what is resumed here is the student, its optimizer and the
     # data order; the time-limit test below resumes the whole distillation, teacher included.
     train = quick_train(steps=45, **EXACT)
@@ -140,9 +140,11 @@ def assert_one_tracker_run(run_dir: Path, attempts: int, side: int) -> None:
 def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -> None:
     # The shortest limit the config allows: USR2 45 s before a 2-minute limit comes 15-75 s into each run
     # (Slurm may send it up to 60 s early), so the run needs several.
-    short = make_cluster(tmp_path, nodes=1, gpus_per_node=2, time_min=2, signal_delay_s=45)
-    relaxed = make_cluster(tmp_path, nodes=1, gpus_per_node=2, time_min=30)
-    train = tiny_train(steps=200, **EXACT)
+    # One rank (the preemption test above resumes two), to spare the suite's CPU: 150 steps of 4
+    # micro-batches take ~90 s on an idle core (0.6 s a step), longer than the latest first warning (75 s).
+    short = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=2, signal_delay_s=45)
+    relaxed = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=30)
+    train = tiny_train(steps=150, **EXACT)
     reference = submit_training(relaxed, train, "reference")[0]
     timed = submit_training(short, train, "timed")[0]
     # Beside it, a site whose time-limit warning never arrives (the task drops USR2): at the limit only
@@ -156,7 +158,7 @@ def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -
     assert requeues and all((e["reason"], e["by"]) == ("timeout", "self") for e in requeues)
     # each recorded requeue happened
     assert sacct_states(timed) == ["REQUEUED"] * len(requeues) + ["COMPLETED"]
-    assert trained_steps(timed.run_dir) == list(range(1, 201))
+    assert trained_steps(timed.run_dir) == list(range(1, 151))
     assert wait_done(no_warning.job_id, 600) == "COMPLETED", no_warning.tail(60)
     sigterm = events(no_warning, "requeue")
     assert sigterm and all((e["reason"], e["by"]) == ("timeout", "self") for e in sigterm)  # not "preempted"
