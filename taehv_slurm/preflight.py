@@ -110,17 +110,21 @@ class Preflight:
         needed = {"torch": "always", "submitit": "always", "yaml": "always", "pandas": "always",
                   "numpy": "always", "hostlist": "always", "tensorboard": "rank 0's metrics"}
         wanted = {"deepspeed": "ZeRO engines", "av": "video data", "safetensors": ".safetensors weights",
-                  "diffusers": "on-the-fly teacher"}
+                  "diffusers": "CogVideoX and Wan teachers"}
         if self.plan is not None and self.plan.engine.startswith("zero"):
             needed["deepspeed"] = f"engine {self.plan.engine}"
         if t is not None and t.data.source == "video":
             needed["av"] = "data.source video"
-        if t is not None and t.teacher.kind != "none":
-            needed["diffusers"] = f"teacher.kind {t.teacher.kind}"
+        kind = t.teacher.kind if t is not None else "none"
+        if kind not in ("none", "hunyuanvideo"):  # HunyuanVideo's encoder is our own, read from safetensors
+            needed["diffusers"] = f"teacher.kind {kind}"
+        if kind == "hunyuanvideo" and not str(t.teacher.path).startswith("random:"):
+            needed["safetensors"] = "teacher.kind hunyuanvideo"
         if t is not None and (t.model.init_from or "").endswith(".safetensors"):
             needed["safetensors"] = "model.init_from"
         names = list(needed) + [n for n in wanted if n not in needed]
-        found, problem = _import_versions(names)
+        # what this config needs is imported, as a rank would; the rest only shows its installed version
+        found, problem = _import_versions(list(needed), names[len(needed):])
         if problem:
             self.add("dependencies", "FAIL", problem)
             return
@@ -415,9 +419,16 @@ class Preflight:
 
 
 _IMPORTS = r"""
-import contextlib, importlib, io, json, sys
+import contextlib, importlib, importlib.metadata, io, json, sys
 found = {}
-for name in sys.argv[1:]:
+for arg in sys.argv[1:]:
+    name = arg.removeprefix("?")
+    if arg.startswith("?"):  # not needed: its version from the package metadata, without importing it
+        try:
+            found[name] = {"version": importlib.metadata.version(name)}
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = {"error": "not installed"}
+        continue
     noise = io.StringIO()
     try:
         with contextlib.redirect_stdout(noise), contextlib.redirect_stderr(noise):
@@ -432,11 +443,13 @@ print("PREFLIGHT " + json.dumps(found))
 """
 
 
-def _import_versions(names: list[str]) -> tuple[dict[str, dict[str, Any]], str | None]:
-    """Import each package in a fresh interpreter (the job's view, and their import noise stays there)."""
+def _import_versions(needed: list[str], optional: list[str]) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """Import each needed package in a fresh interpreter (the job's view, and their import noise stays
+    there); of the optional ones only the installed version is read (importing deepspeed and diffusers
+    would cost seconds of the command)."""
     try:
-        out = subprocess.run([sys.executable, "-c", _IMPORTS, *names], capture_output=True, text=True,
-                             timeout=300)
+        out = subprocess.run([sys.executable, "-c", _IMPORTS, *needed, *(f"?{n}" for n in optional)],
+                             capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired:
         return {}, "importing the dependencies took over 300 s"
     for line in out.stdout.splitlines():

@@ -19,14 +19,15 @@ REPO = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^(.+?)\s{2,}(PASS|FAIL|WARN|SKIP)\s+(.*)$")
 
 
-def preflight(tmp: Path, *args: str, nodes: int = 2) -> tuple[int, dict[str, tuple[str, str]], str]:
+def preflight(tmp: Path, *args: str, nodes: int = 2,
+              env: dict[str, str] | None = None) -> tuple[int, dict[str, tuple[str, str]], str]:
     """Run the CLI on the testbed config (2 GPUs per node); returns (exit code, {check: (result, detail)},
     output)."""
     cmd = [sys.executable, "-m", "jobs.preflight", "--nodes", str(nodes),
            "--cluster", "configs/cluster/testbed.yaml", "--train", "configs/train/tiny.yaml",
            "--gpus-per-node", "2", "--set", f"job_dir={tmp / 'runs'}", *args]
-    out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                         capture_output=True, text=True, timeout=600)
     rows = {m.group(1).strip(): (m.group(2), m.group(3)) for m in map(ROW.match, out.stdout.splitlines())
             if m}
     return out.returncode, rows, out.stdout + out.stderr
@@ -112,3 +113,19 @@ def test_gres_cpus_and_memory_the_nodes_do_not_have(tmp_path: Path, slurm_cluste
                                     "have that many (at most 16): lower cpus_per_task to 8")
     assert rows["memory"][0] == "FAIL" and "mem_gb 64 per node" in rows["memory"][1]
     assert out.strip().splitlines()[-1] == "preflight FAILED: GPUs (gres), CPUs, memory, nodes"
+
+
+def test_a_broken_diffusers_fails_only_a_config_whose_teacher_needs_it(tmp_path: Path) -> None:
+    # A diffusers that fails to import, ahead of the real one on the path (as a half-upgraded environment).
+    shadow = tmp_path / "shadow" / "diffusers"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('half-upgraded')\n")
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{shadow.parent}"}
+    # HunyuanVideo's teacher is read without diffusers: diffusers only shows its installed version
+    code, rows, out = preflight(tmp_path, nodes=1, env=env)
+    assert rows["dependencies"][0] == "PASS" and "diffusers 0." in rows["dependencies"][1], out
+    code, rows, out = preflight(tmp_path, "--set", "teacher.kind=cogvideox",
+                                "--set", f"teacher.path={tmp_path}", nodes=1, env=env)
+    assert code == 1 and rows["dependencies"] == (
+        "FAIL", "missing: diffusers (ImportError: half-upgraded; needed for teacher.kind cogvideox); "
+                "install them in the job's environment (pip install -e . installs all)"), out
