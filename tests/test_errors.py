@@ -192,6 +192,7 @@ def test_corrupt_video_is_skipped_and_counted(tmp_path: Path, monkeypatch: pytes
 # --------------------------------------------------------------------------------- checkpoints
 
 
+@pytest.mark.usefixtures("slurm_cluster")  # a dry run asks Slurm about the partition
 def test_checkpoint_folder_not_writable(read_only: Path, tmp_path: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import torch

@@ -80,6 +80,7 @@ def test_the_wheel_installs_one_namespace_and_the_taehv_command(installed: Path,
     assert done.stdout.strip().startswith(str(installed.parents[1] / "lib")), done.stdout
 
 
+@pytest.mark.usefixtures("slurm_cluster")  # a dry run asks Slurm about the partition
 def test_dry_run_from_an_empty_folder(installed: Path, tmp_path: Path) -> None:
     done = run_in(tmp_path, installed.parent / "taehv", "submit", "--nodes", "2", "--dry-run")
     assert "#SBATCH --nodes=2" in done.stdout and "#SBATCH --ntasks-per-node=8" in done.stdout

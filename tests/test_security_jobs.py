@@ -158,6 +158,7 @@ def test_pickled_tasks_and_runtime_carry_no_secret(tmp_path: Path) -> None:
         assert value.encode() not in cloudpickle.dumps(task), type(task).__name__
 
 
+@pytest.mark.usefixtures("slurm_cluster")  # a dry run asks Slurm about the partition
 def test_dry_run_masks_secrets_and_says_they_will_be_passed(tmp_path: Path) -> None:
     values = [f"v{i}-{secrets.token_hex(12)}" for i in range(3)]
     out = subprocess.run(

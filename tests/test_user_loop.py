@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import LOCAL_JOB_ID, cli, in_terminal
 
 
@@ -67,6 +69,7 @@ def test_local_sweep_follows_every_run_and_fails_if_one_does(tmp_path: Path) -> 
     assert all(abs(int(job_id.split("-")[1], 36) - time.time()) < 900 for job_id in job_ids), job_ids
 
 
+@pytest.mark.usefixtures("slurm_cluster")  # a dry run asks Slurm about the partition
 def test_sweep_dry_run_prints_the_job_array_script(tmp_path: Path) -> None:
     done = cli("jobs.submit", "--nodes", "2", "--sweep", "optim.lr=1e-4,2e-4,4e-4", "--max-parallel", "2",
                "--name", "lrs", "--dry-run", "--skip-data-checks", cwd=tmp_path)  # the script, not the data
