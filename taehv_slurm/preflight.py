@@ -122,15 +122,16 @@ class Preflight:
             needed["safetensors"] = "teacher.kind hunyuanvideo"
         if t is not None and (t.model.init_from or "").endswith(".safetensors"):
             needed["safetensors"] = "model.init_from"
-        names = list(needed) + [n for n in wanted if n not in needed]
+        extra = [n for n in wanted if n not in needed]
+        names = list(needed) + extra
         # what this config needs is imported, as a rank would; the rest only shows its installed version
-        found, problem = _import_versions(list(needed), names[len(needed):])
+        found, problem = _import_versions(list(needed), extra)
         if problem:
             self.add("dependencies", "FAIL", problem)
             return
         missing = [f"{n} ({found[n]['error']}; needed for {needed[n]})" for n in needed
                    if "error" in found[n]]
-        optional = [n for n in wanted if n not in needed and "error" in found[n]]
+        optional = [n for n in extra if "error" in found[n]]
         versions = ", ".join(f"{'PyYAML' if n == 'yaml' else n} {found[n]['version']}" for n in names
                              if "version" in found[n])
         torch_info = found.get("torch", {})
