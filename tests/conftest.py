@@ -21,9 +21,9 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
     return not hasattr(config, "workerinput") and getattr(config.option, "dist", "no") != "no"
 
 
-# The modules that take longest (mostly waiting out Slurm's clock: time limits, preemptions, hangs) run
-# first, so the xdist workers end together instead of one finishing the longest module alone; the rest
-# keep their order. Set by `--durations` of whole runs (docs/benchmarks.md, the suite).
+# The modules that take longest (time limits, preemptions, world sizes, hangs: Slurm's clocks and most of
+# the CPU) run first, so the xdist workers end together instead of one finishing the longest module alone;
+# the rest keep their order. Set by `--durations` of whole runs (docs/benchmarks.md, the suite).
 LONGEST_FIRST = ("test_requeue.py", "test_any_world_size.py", "test_requeue_outcomes.py", "test_hangs.py",
                  "test_bench_smoke.py", "test_failures.py")
 
