@@ -280,7 +280,10 @@ def start_figures(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any
 
 
 def prepare_figures(job_dir: Path) -> dict[str, Any]:
-    """The newest `jobs.prepare` run under `job_dir`: start to its first shard, and clips/s after it."""
+    """The newest `jobs.prepare` run under `job_dir`: start to its first shard, and clips/s after it (the
+    windows of the later shards over the wall time from the first shard written to the last; not over the
+    sum of the shards' own seconds, which counts each shard's write twice: it overlaps the next shard's
+    encoding)."""
     runs = sorted(job_dir.glob("prepare-*/events.jsonl"), key=lambda p: p.stat().st_mtime)
     if not runs:
         return {}
@@ -288,7 +291,8 @@ def prepare_figures(job_dir: Path) -> dict[str, Any]:
     start = next(e for e in events if e["event"] == "start")
     shards = [e for e in events if e["event"] == "shard"]
     later = shards[1:]
-    rate = round(sum(e["windows"] for e in later) / sum(e["seconds"] for e in later), 2) if later else None
+    rate = (round(sum(e["windows"] for e in later) / (later[-1]["time"] - shards[0]["time"]), 2)
+            if later else None)
     return {"prepare_first_shard_s": round(shards[0]["time"] - start["began"], 1) if shards else None,
             "prepare_clips_per_s_after_first": rate, "prepare_shards": len(shards)}
 
