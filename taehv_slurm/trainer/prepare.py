@@ -1,6 +1,6 @@
 """The preparation job: decode every video window, encode it with the teacher, store both in shards.
 
-The teacher's encode costs ~5× the student's training step per clip (9.3–9.7 vs ~50 clips/s on an H100,
+The teacher's encode costs ~4× the student's training step per clip (11.7–12.1 vs ~50 clips/s on an H100,
 docs/benchmarks.md), so it runs once per window, ahead of training, on every GPU of a job; the
 trainer then reads frames and latents together (`taehv_slurm.trainer.prepared.PreparedClips`,
 `data.source: prepared`). The folder's window list is `taehv_slurm.trainer.manifest`, its shard files
@@ -118,8 +118,8 @@ class _Worker:
         self.env = ctx.env
         self.out = Path(task.out)
         # Each shard is written (serialised, fsynced, renamed) on a thread while the teacher encodes the next;
-        # at most one in flight. With the latents kept on the GPU until a shard is complete (`_encode`):
-        # 9.4 → 9.7 clips/s end to end on an H100 (docs/benchmarks.md).
+        # at most one in flight. With the latents kept on the GPU until a shard is complete (`_encode`), the
+        # GPU never waits for the host: busy 99.5 % of the loop on an H100 (bench/prepare_timeline.py).
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
         self.writing: Future | None = None
 
