@@ -9,7 +9,7 @@ the same cluster config: 12 CPUs, compiled teacher, batch 2, the warm compile ca
 process under the profiler. Shards after the first count (on a CPU, with bench/prepare_e2e.py --smoke's one
 shard, that one: a check that the script runs). Printed and written as JSON: the wall time, the
 GPU's busy time (kernels and copies), its idle time split by the innermost labelled region or CPU op on the
-main thread at the middle of each gap, and the teacher calls' kernel time per call (to compare with the
+main thread at the middle of each gap, and the GPU's busy time per teacher call (to compare with the
 isolated call of bench/prepare_throughput.py).
 """
 
