@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import AutoencoderKLHunyuanVideo
 from torch import nn
 
@@ -18,6 +19,7 @@ from taehv_slurm.trainer.hunyuan_encoder import (
     EncoderSettings,
     GroupNorm,
     HunyuanVideoEncoder,
+    attend,
 )
 from taehv_slurm.trainer.teacher import DiffusersEncoder, load_teacher
 from tests.helpers import REPO
@@ -93,6 +95,18 @@ def test_channel_sum_group_norm_is_group_norm(dtype: torch.dtype) -> None:
         want = native.to(dtype)(x.contiguous()).float()
         got = fast.to(dtype)(x).float()
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_as_matrix_products_is_the_fused_attention(dtype: torch.dtype) -> None:
+    """`attend` (float32: two products and a softmax; bf16 on a CPU: the fused kernel) against PyTorch's
+    attention, queries fewer than keys as in the frame-causal mid-block."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 64), torch.randn(2, 18, 64), torch.randn(2, 18, 64)
+    want = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]
+    got = attend(q.to(dtype), k.to(dtype), v.to(dtype)).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 

@@ -198,16 +198,23 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(n, c, t, h, w) + x
 
 
+# torch.bmm(..., out_dtype=torch.float32) on CUDA: a float32 result from bf16/fp16 inputs (not in every
+# torch that setup.cfg allows).
+BMM_TO_FLOAT32 = "dtype" in torch.ops.aten.bmm.overloads()
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q kᵀ / √d) v for one head (N × L × d), as two matrix products. The fused attention kernels
     take at most d = 256, and at the VAE's d = 512 PyTorch's memory-efficient kernel took 11 of the H100's
     181 ms a call. The logits stay in float32 (the products accumulate and write float32 for bf16 inputs),
     the softmax too; the probabilities are rounded to the input's type for the second product, as in the
-    fused kernels."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        logits = torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32)
-    else:
-        logits = torch.bmm(q.float(), k.float().transpose(1, 2))
+    fused kernels. In half precision where no product writes float32 (a CPU, an older torch): the fused
+    kernel."""
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    if half and not (q.is_cuda and BMM_TO_FLOAT32):
+        return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]
+    logits = (torch.bmm(q, k.transpose(1, 2), out_dtype=torch.float32) if half
+              else torch.bmm(q, k.transpose(1, 2)))
     probs = logits.mul_(q.shape[-1] ** -0.5).softmax(-1)
     return torch.bmm(probs.to(v.dtype), v)
 
