@@ -136,6 +136,34 @@ def test_round_trip_alignment_and_order(prepared: Path, videos: Path) -> None:
                        torch.stack([data[i]["latents"] for i in range(20)]))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_each_window_gets_the_teachers_latents_of_its_frames(videos: Path, tmp_path: Path) -> None:
+    """What `jobs.prepare` runs on a GPU: each batch's frames copied on a stream of their own while the
+    previous batch encodes, a short last batch padded to the compiled shape, the latents kept on the GPU
+    until their shard is written. Every stored window's latents are what the same teacher (compiled, bf16)
+    gives for its stored frames one batch at a time: a batch encoded before its copy finished, or with
+    another batch's frames, would not be. (The compiled teacher against diffusers' encoder:
+    tests/test_teacher.py. Against float32 this tiny random teacher's windows of dark frames differ by up
+    to 60 % of their largest latent in bf16, so it is no reference for that.)"""
+    out = _mkdir(tmp_path / "prepared")
+    settings = PrepareSettings(str(videos), SPEC.frames, SPEC.height, SPEC.width, shard_size=3,
+                               teacher_path="random:tiny").validate()
+    index_windows(settings).write(out)
+    with restored_environ():
+        result = PrepareTask(out, {"device": "cuda"}, batch=2)()
+    assert result["ok"] and result["windows_stored"] == 20
+    data = PreparedClips(out, SPEC)
+    frames = torch.stack([data[i]["frames"] for i in range(len(data))]).cuda()
+    stored = torch.stack([data[i]["latents"] for i in range(len(data))]).float()
+    teacher = load_teacher("hunyuanvideo", "random:tiny").to(torch.device("cuda"), torch.bfloat16)
+    teacher.compile()
+    expected = torch.cat([teacher.latents(frames[i:i + 2]) for i in range(0, len(frames), 2)]).cpu()
+    expected = expected.bfloat16().float()  # as stored
+    error = (stored - expected).abs().amax(dim=(1, 2, 3, 4)) / expected.abs().amax(dim=(1, 2, 3, 4))
+    assert (error <= 0.01).all(), error
+
+
 def test_prepared_clips_refuse_bad_folders_in_one_line(prepared: Path, tmp_path: Path) -> None:
     cases = [
         (tmp_path / "nowhere", SPEC, "does not exist"),

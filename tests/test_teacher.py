@@ -98,6 +98,21 @@ def test_channel_sum_group_norm_is_group_norm(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+def test_the_channels_last_form_follows_weights_loaded_after_it() -> None:
+    """`use_channels_last` runs the first convolution from a stacked copy of its weight; weights loaded
+    afterwards (load_state_dict) must be the ones it computes with."""
+    settings = EncoderSettings(**TINY)
+    torch.manual_seed(0)
+    channels_last = HunyuanVideoEncoder(settings).eval()
+    channels_last.use_channels_last()
+    other = HunyuanVideoEncoder(settings).eval()  # other random weights
+    channels_last.load_state_dict(other.state_dict())
+    x = torch.rand(2, 3, 13, 48, 40) * 2 - 1
+    with torch.no_grad():
+        got = channels_last(x.contiguous(memory_format=torch.channels_last_3d))
+        torch.testing.assert_close(got, other(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_attention_as_matrix_products_is_the_fused_attention(dtype: torch.dtype) -> None:
     """`attend` (float32: two products and a softmax; bf16 on a CPU: the fused kernel) against PyTorch's
