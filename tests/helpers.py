@@ -8,10 +8,12 @@ import json
 import os
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -98,6 +100,31 @@ def rank_record(handle: Any, rank: int) -> dict[str, Any]:
         return json.loads((Path(handle.run_dir) / "ranks" / f"{rank}.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+
+
+@contextlib.contextmanager
+def slowed_down(pid: int, stopped_s: float, running_s: float) -> Iterator[None]:
+    """The process stopped (SIGSTOP) for stopped_s of every stopped_s + running_s, as on a slow node,
+    until the block ends or the process is gone; running again (SIGCONT) after it."""
+    done = threading.Event()
+
+    def duty_cycle() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            while not done.is_set():
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(stopped_s)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(running_s)
+
+    cycling = threading.Thread(target=duty_cycle, daemon=True)
+    cycling.start()
+    try:
+        yield
+    finally:
+        done.set()
+        cycling.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:

@@ -11,12 +11,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ from tests.helpers import (
     make_cluster,
     metrics,
     rank_record,
+    slowed_down,
     tiny_train,
     wait_done,
     wait_for,
@@ -109,25 +108,9 @@ def test_a_slowed_rank_is_named_and_the_run_goes_on(jobs: Jobs) -> None:
 def slowed_rank_is_named(handle: JobHandle) -> None:
     wait_for(lambda: (rank_record(handle, 1).get("step") or 0) >= 5, 300, "the job to train")
     victim = rank_record(handle, 1)
-    done = threading.Event()
-
-    def duty_cycle() -> None:  # stopped about half of the time: its compute per step about doubles
-        while not done.is_set():
-            os.kill(victim["pid"], signal.SIGSTOP)
-            time.sleep(0.3)
-            os.kill(victim["pid"], signal.SIGCONT)
-            time.sleep(0.3)
-
-    cycling = threading.Thread(target=duty_cycle, daemon=True)
     started = time.monotonic()
-    cycling.start()
-    try:
+    with slowed_down(victim["pid"], 0.3, 0.3):  # stopped half of the time: its compute per step doubles
         (slow,) = wait_for(lambda: events(handle, "slow_rank"), 300, "the slow rank to be named")
-    finally:
-        done.set()
-        cycling.join()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim["pid"], signal.SIGCONT)
     assert time.monotonic() - started < 300
     assert (slow["rank"], slow["host"]) == (1, victim["host"])
     assert slow["detail"].startswith(f"rank 1 on {victim['host']}: ")

@@ -36,7 +36,8 @@ from tests.helpers import (
     make_cluster,
     metrics,
     quick_train,
-    tiny_train,
+    rank_record,
+    slowed_down,
     wait_done,
     wait_for,
 )
@@ -140,11 +141,13 @@ def assert_one_tracker_run(run_dir: Path, attempts: int, side: int) -> None:
 def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -> None:
     # The shortest limit the config allows: USR2 45 s before a 2-minute limit comes 15-75 s into each run
     # (Slurm may send it up to 60 s early), so the run needs several.
-    # One rank (the preemption test above resumes two), to spare the suite's CPU: 150 steps of 4
-    # micro-batches take ~90 s on an idle core (0.6 s a step), longer than the latest first warning (75 s).
+    # One rank (the preemption test above resumes two) of `quick_train`, to spare the suite's CPU: 150 steps
+    # of 4 micro-batches take ~27 s on an idle core (0.18 s a step), and the first attempt runs on a slow
+    # node (stopped 80 % of the time, from outside), so it trains well past the latest first warning (75 s)
+    # on a fifth of the CPU the unslowed run would need.
     short = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=2, signal_delay_s=45)
     relaxed = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=30)
-    train = tiny_train(steps=150, **EXACT)
+    train = quick_train(steps=150, **EXACT)
     reference = submit_training(relaxed, train, "reference")[0]
     timed = submit_training(short, train, "timed")[0]
     # Beside it, a site whose time-limit warning never arrives (the task drops USR2): at the limit only
@@ -152,6 +155,9 @@ def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -
     # task saves and requeues itself, and only what Slurm accepted is recorded.
     no_warning = submit(CountingTask(10_000, 0.2, ignore_warning=True, steps_after_restart=5),
                         make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=2), "no-warning")
+    first = wait_for(lambda: rank_record(timed, 0).get("pid"), 300, "the timed run's rank to start")
+    with slowed_down(first, stopped_s=0.4, running_s=0.1):
+        wait_for(lambda: events(timed, "requeue"), 300, "the time limit's first requeue")
     assert wait_done(timed.job_id, 1200) == "COMPLETED", timed.tail(60)
     assert wait_done(reference.job_id, 600) == "COMPLETED", reference.tail(60)
     requeues = events(timed, "requeue")
