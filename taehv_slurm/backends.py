@@ -158,7 +158,7 @@ class SlurmBackend(Backend):
         if isinstance(info, dict):
             if int(info.get("Restarts") or 0) > restart_count:
                 return Outcome("requeue", {"reason": reason, "by": "slurm", "seconds_lost": 0.0})
-            if info.get("Reason") == "TimeLimit":
+            if info.get("Reason") == "TimeLimit" or slurm.past_its_end_time(info, time.time()):
                 reason = "timeout"  # SIGTERM at the time limit: the warning never came (signal_delay_s)
             elif info.get("JobState") in ("COMPLETING", "CANCELLED"):
                 return Outcome("cancelled", {"reason": "cancelled"})

@@ -12,12 +12,13 @@ cannot take it away from the requeue that comes hours later.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import shutil
 import signal
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -144,6 +145,20 @@ def job_info(job_id: str, timeout_s: float = 30, survive_term: bool = False) -> 
     if not answer.ok:
         return answer
     return dict(re.findall(r"(\w+)=(\S*)", answer.output))
+
+
+def past_its_end_time(info: Mapping[str, str], now: float) -> bool:
+    """A RUNNING job (in `job_info`'s answer) whose EndTime has come: its time limit is here, whatever the
+    controller has recorded so far. slurmstepd ends the job's steps at the limit by itself, and their SIGTERM
+    can reach the ranks before slurmctld has set Reason=TimeLimit (seen on a loaded testbed). Only RUNNING:
+    a cancelled or requeued job's EndTime becomes the moment it ended."""
+    if info.get("JobState") != "RUNNING":
+        return False
+    try:
+        end = datetime.datetime.fromisoformat(info.get("EndTime", "")).timestamp()  # the node's local time
+    except ValueError:  # Unknown, None
+        return False
+    return now >= end
 
 
 def requeue(job_id: str, timeout_s: float = 60, hold: bool = False, survive_term: bool = False) -> Answer:

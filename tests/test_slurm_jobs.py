@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,16 @@ from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.submission import submit
 from taehv_slurm.trainer.task import TrainTask
 from taehv_slurm.training import submit_training
-from tests.helpers import REPO, final_state, make_cluster, metrics, quick_train, tiny_train, wait_done
+from tests.helpers import (
+    REPO,
+    final_state,
+    make_cluster,
+    metrics,
+    quick_train,
+    tiny_train,
+    wait_done,
+    wait_for,
+)
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -126,6 +137,27 @@ def test_the_commands_a_job_requeues_itself_with_outlive_the_requeues_sigterm() 
     assert slurm.run(command, survive_term=True) == slurm.Answer(True, "answered\n")
     killed = slurm.run(command)
     assert not killed.ok and killed.error == "exit code -15"
+
+
+def test_a_running_job_is_past_its_end_time_only_once_its_limit_has_come(tmp_path: Path) -> None:
+    """`scontrol show job`'s EndTime read as the time limit's moment (the node's local time, as Slurm prints
+    it), for a job still RUNNING: how a rank tells a SIGTERM at the time limit from a preemption when the
+    controller has not recorded Reason=TimeLimit yet. Once cancelled, a job's EndTime is when it ended:
+    no time limit."""
+    sbatch = subprocess.run(["sbatch", "--parsable", "--time=1", f"--output={tmp_path / 'out'}",
+                             "--wrap", "sleep 300"], capture_output=True, text=True, check=True)
+    job_id = sbatch.stdout.strip().split(";")[0]
+    try:
+        info = wait_for(lambda: (i := slurm.job_info(job_id)) and i.get("JobState") == "RUNNING" and i, 60,
+                        "the job to run")
+        left = datetime.datetime.fromisoformat(info["EndTime"]).timestamp() - time.time()
+        assert 0 < left <= 61  # a 1-minute limit, in this machine's time zone
+        assert not slurm.past_its_end_time(info, time.time())
+        assert slurm.past_its_end_time(info, time.time() + left + 1)
+    finally:
+        subprocess.run(["scancel", job_id], check=True)
+    assert wait_done(job_id, 60) == "CANCELLED"
+    assert not slurm.past_its_end_time(slurm.job_info(job_id), time.time() + 120)
 
 
 # A rank's SIGTERM handler, then 30 quick commands run with survive_term, as after a requeuehold.
