@@ -148,8 +148,11 @@ def test_a_running_job_is_past_its_end_time_only_once_its_limit_has_come(tmp_pat
                              "--wrap", "sleep 300"], capture_output=True, text=True, check=True)
     job_id = sbatch.stdout.strip().split(";")[0]
     try:
-        info = wait_for(lambda: (i := slurm.job_info(job_id)) and i.get("JobState") == "RUNNING" and i, 60,
-                        "the job to run")
+        def running() -> dict[str, str] | None:  # a failed question (an Answer) is asked again
+            info = slurm.job_info(job_id)
+            return info if isinstance(info, dict) and info.get("JobState") == "RUNNING" else None
+
+        info = wait_for(running, 60, "the job to run")
         left = datetime.datetime.fromisoformat(info["EndTime"]).timestamp() - time.time()
         assert 0 < left <= 61  # a 1-minute limit, in this machine's time zone
         assert not slurm.past_its_end_time(info, time.time())
@@ -157,7 +160,9 @@ def test_a_running_job_is_past_its_end_time_only_once_its_limit_has_come(tmp_pat
     finally:
         subprocess.run(["scancel", job_id], check=True)
     assert wait_done(job_id, 60) == "CANCELLED"
-    assert not slurm.past_its_end_time(slurm.job_info(job_id), time.time() + 120)
+    cancelled = slurm.job_info(job_id)
+    assert isinstance(cancelled, dict), cancelled
+    assert not slurm.past_its_end_time(cancelled, time.time() + 120)
 
 
 # A rank's SIGTERM handler, then 30 quick commands run with survive_term, as after a requeuehold.
