@@ -137,6 +137,18 @@ def profile(variant: str, batch: int, args: argparse.Namespace, device: torch.de
         torch.cuda.synchronize(device)
     print(f"\nprofile {variant} batch {batch} (3 steps), kernels:")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=70))
+    print("CUDA time per step by kind of kernel:")
+    kinds: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total:
+            kind = next((k for k in ("fprop", "dgrad", "wgrad") if k in e.key), None) or (
+                "triton " + e.key.split("_")[1] if e.key.startswith("triton_") else "other")
+            kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 3e3
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"{ms:9.2f} ms  {kind}")
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+        print(f"trace: {args.trace}")
     print("aten ops by CUDA time, with input shapes:")
     ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
     for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top]:
@@ -182,6 +194,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU, 8×32×32 clips, eager only")
     p.add_argument("--profile", default=None, metavar="VARIANT:BATCH",
                    help="print the top CUDA kernels of one setting")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="with --profile: its Chrome trace, written here")
     p.add_argument("--fast", default=",".join(k for k, on in FAST_PATHS.items() if on),
                    help="model fast paths to enable (comma list, or 'none'); default: the model's defaults")
     p.add_argument("--out", default=None)

@@ -447,8 +447,9 @@ ODD_SHAPE = TAEHVConfig(encoder_width=8, decoder_widths=(16, 8, 8, 8), patch_siz
                          ids=["default-shape", "odd-shape"])
 @pytest.mark.parametrize("fast_paths", [{}, {"fold_linear": False, "split_memblock": True},
                                         {"phase_head": False},
-                                        {"pair_first_stage": False, "pad_rgb_out": False}],
-                         ids=["defaults", "unfolded-split", "no-phase-head", "no-pairs-no-pad"])
+                                        {"pair_first_stage": False, "pad_rgb_out": False},
+                                        {"pad_first_conv": False}],
+                         ids=["defaults", "unfolded-split", "no-phase-head", "no-pairs-no-pad", "unpadded"])
 def test_training_path_matches_the_published_formulation(memory_format: torch.memory_format,
                                                          config: TAEHVConfig, fast_paths: dict,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:

@@ -142,6 +142,7 @@ def _previous_frames(x: torch.Tensor, n: int) -> torch.Tensor:
 FAST_PATHS = {
     "split_memblock": False,    # MemBlocks without the concat copy (slower: off)
     "pair_first_stage": True,   # the encoder's first stage on frame pairs
+    "pad_first_conv": True,     # ... with its 6 input channels zero-padded to 8 (channels-last only)
     "pad_rgb_out": True,        # the RGB head's outputs padded with zero channels to a multiple of 16
     "fold_linear": True,        # TPool→conv and TGrow→Upsample→conv each as ONE conv (no upsampled tensor)
     "phase_head": True,         # the RGB head on the last stage's phase layout (with fold_linear)
