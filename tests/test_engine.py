@@ -7,6 +7,10 @@ for one rank. The multi-rank paths run on the Slurm testbed (tests/test_requeue.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -108,3 +112,14 @@ def assert_non_finite_step_skipped(kind: str, device: str) -> None:
             assert torch.equal(after[key][name], value), f"{kind}: {key} {name} changed by a skipped step"
     assert not bool(trained.train_step([on_device(batch(4)), on_device(batch(5))], 1e-3).skipped)
     assert trained.full_state()["optimizer_step"] == before["optimizer_step"] + 1  # and training goes on
+
+
+def test_a_zero_rank_starts_without_importing_mlflow_and_can_still_log_to_it() -> None:
+    """DeepSpeed's autotuner (never run here) imports mlflow when deepspeed is imported: ~2 CPU-s at every
+    ZeRO rank's start. The engine hides it for that import only; a tracker imports mlflow afterwards."""
+    pytest.importorskip("mlflow")
+    code = ("import sys; from taehv_slurm.trainer.engine import _import_deepspeed; _import_deepspeed(); "
+            "hidden = 'mlflow' not in sys.modules; import mlflow; print(hidden, mlflow.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.splitlines()[-1:] == ["True mlflow"], out.stdout[-2000:] + out.stderr[-2000:]
