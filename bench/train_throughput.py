@@ -140,7 +140,9 @@ def profile(variant: str, batch: int, args: argparse.Namespace, device: torch.de
     print("CUDA time per step by kind of kernel:")
     kinds: dict[str, float] = {}
     for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total:
+        # ("## Call CompiledFxGraph …" rows are annotations spanning a graph's kernels, not kernels)
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total \
+                and not e.key.startswith("## "):
             kind = next((k for k in ("fprop", "dgrad", "wgrad") if k in e.key), None) or (
                 "triton " + e.key.split("_")[1] if e.key.startswith("triton_") else "other")
             kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 3e3

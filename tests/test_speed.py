@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -36,6 +37,9 @@ def test_the_compile_cache_is_the_job_folders_unless_the_user_chose_one(tmp_path
     key = f"torch-{torch.__version__}-cuda-{torch.version.cuda or 'none'}".replace("/", "_")
     assert got["env"] == got["chosen"] and Path(got["chosen"]).parent == tmp_path / "compile-cache"
     assert Path(got["chosen"]).name.startswith(key.split("+")[0]) and Path(got["chosen"]).is_dir()
+    # the custom ops' code too: their backward formulas are not in torch's cache keys
+    layers = (REPO / "taehv_slurm" / "trainer" / "layers.py").read_bytes()
+    assert Path(got["chosen"]).name.endswith(f"-ops-{hashlib.sha256(layers).hexdigest()[:12]}")
     # one of the user's own stays, and nothing is created in the job folder
     mine = probe(tmp_path / "other-cache", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine"))
     assert mine == {"chosen": None, "env": str(tmp_path / "mine")}

@@ -3,7 +3,9 @@
 `apply_stack` runs an encoder or decoder stack on all frames at once, with the exact reformulations
 of `FAST_PATHS` (each checked against the published block order, outputs and gradients, in
 tests/test_model.py): linear chains folded into one conv, the RGB head on a space-to-depth layout, the
-first stage on frame pairs. docs/benchmarks.md has what each one is worth.
+first stage on frame pairs, and each conv + bias (+ residual) + ReLU as one cuDNN kernel on a GPU
+(`conv3x3_relu`, also checked on a GPU by tests/test_gpu_layers.py). docs/benchmarks.md has what each
+one is worth.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
 
 def conv3x3(c_in: int, c_out: int, stride: int = 1, bias: bool = True) -> nn.Conv2d:
@@ -40,6 +43,11 @@ class MemBlock(nn.Module):
     def forward(self, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
         return self.act(self.conv(torch.cat((x, past), dim=1)) + self.skip(x))
 
+    def forward_fused(self, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+        """The same block with each conv → (+ skip) → ReLU as one `conv3x3_relu`."""
+        h = fused_conv3x3_relu(self.conv[0], torch.cat((x, past), dim=1))
+        return fused_conv3x3_relu(self.conv[4], fused_conv3x3_relu(self.conv[2], h), residual=self.skip(x))
+
     def forward_split(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """The same block without materialising concat(x, past): a per-frame conv of the previous
         frame is the previous frame of the per-frame conv, so one conv of x with the two weight halves
@@ -54,6 +62,10 @@ class MemBlock(nn.Module):
 
 def _is_channels_last(x: torch.Tensor) -> bool:
     return x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+
+
+def _format_of(x: torch.Tensor) -> torch.memory_format:
+    return torch.channels_last if _is_channels_last(x) else torch.contiguous_format
 
 
 class TPool(nn.Module):
@@ -146,6 +158,7 @@ FAST_PATHS = {
     "pad_rgb_out": True,        # the RGB head's outputs padded with zero channels to a multiple of 16
     "fold_linear": True,        # TPool→conv and TGrow→Upsample→conv each as ONE conv (no upsampled tensor)
     "phase_head": True,         # the RGB head on the last stage's phase layout (with fold_linear)
+    "fused_conv_relu": True,    # conv3x3 + bias (+ residual) + ReLU as one op: one cuDNN kernel on a GPU
 }
 
 
@@ -164,6 +177,72 @@ def _like_input(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A composed weight in the input's dtype and memory format (cuDNN picks kernels by both)."""
     weight = weight.to(x.dtype)
     return weight.contiguous(memory_format=torch.channels_last) if _is_channels_last(x) else weight
+
+
+def _cudnn_fuses(x: torch.Tensor) -> bool:
+    """Whether `conv3x3_relu` runs as cuDNN's fused kernel: half precision, channels-last (where training
+    runs and runtime fusion is supported). Not `torch.backends.cudnn.is_acceptable`: it refuses bf16."""
+    return (x.is_cuda and torch.backends.cudnn.enabled and x.dtype in (torch.float16, torch.bfloat16)
+            and _is_channels_last(x))
+
+
+@torch.library.custom_op("taehv::conv3x3_relu", mutates_args=())
+def conv3x3_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """relu(conv3x3(x) + bias [+ residual]) with padding 1, in the input's memory format. On a GPU it is
+    ONE cuDNN kernel (bias, residual and ReLU in the convolution's epilogue); compiled, the same sum is a
+    convolution plus an elementwise kernel that reads and writes the activation once more. `weight`,
+    `bias` and `residual` come in x's dtype and memory format."""
+    if _cudnn_fuses(x):
+        args = ([1, 1], [1, 1], [1, 1], 1)  # stride, padding, dilation, groups
+        out = (torch.cudnn_convolution_relu(x, weight, bias, *args) if residual is None
+               else torch.cudnn_convolution_add_relu(x, weight, residual, 1.0, bias, *args))
+    else:
+        out = F.conv2d(x, weight, bias, padding=1)
+        out = F.relu(out if residual is None else out + residual)
+    return out.contiguous(memory_format=_format_of(x))  # what the fake below promises the compiler
+
+
+@conv3x3_relu.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+      residual: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0], *x.shape[2:]).contiguous(memory_format=_format_of(x))
+
+
+def _conv3x3_relu_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    x, weight, _, residual = inputs
+    ctx.save_for_backward(x, weight, output)
+    ctx.has_residual = residual is not None
+
+
+def _conv3x3_relu_backward(ctx, grad: torch.Tensor) -> tuple:
+    x, weight, out = ctx.saved_tensors
+    grad = torch.ops.aten.threshold_backward(grad, out, 0)  # ReLU's gradient, from its output
+    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+    dx, dw, db = torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]], [1, 1], [1, 1],
+                                                     [1, 1], False, [0, 0], 1, mask)
+    return dx, dw, db, grad if ctx.has_residual else None
+
+
+conv3x3_relu.register_autograd(_conv3x3_relu_backward, setup_context=_conv3x3_relu_context)
+
+
+@register_flop_formula(torch.ops.taehv.conv3x3_relu)
+def _conv3x3_relu_flops(x_shape, w_shape, *args, out_shape, **kwargs) -> int:
+    return conv_flop_count(x_shape, w_shape, out_shape)  # the convolution's (MFU counts convolutions)
+
+
+def fused_conv3x3_relu(conv: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+    """relu(conv(x) [+ residual]) through `conv3x3_relu`, for a 3×3, stride-1, padding-1 conv with bias;
+    its weight and bias overridable (composed weights)."""
+    weight = conv.weight if weight is None else weight
+    bias = conv.bias if bias is None else bias
+    if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.conv2d would
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    return conv3x3_relu(x, _like_input(weight, x), bias.to(x.dtype),
+                        None if residual is None else residual.to(x.dtype))
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -222,6 +301,15 @@ def folds_grow_up_conv(blocks: list[nn.Module], i: int) -> bool:
             and blocks[i + 2].kernel_size == (3, 3) and blocks[i + 2].bias is None)
 
 
+def is_conv3x3_relu(blocks: list[nn.Module], i: int) -> bool:
+    """With ``fused_conv_relu``: blocks[i:i+2] is a 3×3 conv (stride 1, padding 1, bias) then a ReLU."""
+    conv = blocks[i]
+    return (FAST_PATHS["fused_conv_relu"] and i + 1 < len(blocks) and isinstance(blocks[i + 1], nn.ReLU)
+            and isinstance(conv, nn.Conv2d)
+            and conv.kernel_size == (3, 3) and conv.stride == (1, 1) and conv.padding == (1, 1)
+            and conv.groups == 1 and conv.bias is not None)
+
+
 def grow_up_conv(blocks: list[nn.Module], i: int, x: torch.Tensor, keep_phases: bool = False) -> torch.Tensor:
     """Run blocks[i:i+3] (see folds_grow_up_conv) as one low-resolution conv plus one copy that places
     frames and phases. ``keep_phases`` leaves the up×up phases on the channels (for the phase head)."""
@@ -242,14 +330,21 @@ def apply_stack(stack: nn.Sequential, x: torch.Tensor, n: int) -> torch.Tensor:
     while i < len(blocks):
         block = blocks[i]
         if isinstance(block, MemBlock):
-            x = (block.forward_split(x, n) if FAST_PATHS["split_memblock"]
-                 else block(x, _previous_frames(x, n)))
+            if FAST_PATHS["split_memblock"]:
+                x = block.forward_split(x, n)
+            elif FAST_PATHS["fused_conv_relu"]:
+                x = block.forward_fused(x, _previous_frames(x, n))
+            else:
+                x = block(x, _previous_frames(x, n))
         elif isinstance(block, TPool) and folds_with_pool(blocks, i + 1):
             x = pooled_conv(block, blocks[i + 1], block.stack_frames(x))
             i += 1
         elif folds_grow_up_conv(blocks, i):
             x = grow_up_conv(blocks, i, x)
             i += 2
+        elif is_conv3x3_relu(blocks, i):
+            x = fused_conv3x3_relu(block, x)
+            i += 1
         elif isinstance(block, nn.Upsample):
             if i + 1 < len(blocks) and isinstance(blocks[i + 1], TGrow):
                 x = blocks[i + 1](x)
@@ -272,3 +367,4 @@ def rgb_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         bias = None if bias is None else F.pad(bias, (0, pad))
     return F.conv2d(x, _like_input(weight, x), None if bias is None else bias.to(x.dtype),
                     padding=1)[:, :out_channels]
+

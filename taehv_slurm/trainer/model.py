@@ -37,6 +37,7 @@ from taehv_slurm.trainer.layers import (
     conv3x3,
     folds_grow_up_conv,
     folds_with_pool,
+    fused_conv3x3_relu,
     grow_up_conv,
     phase_conv_weight,
     pooled_conv,
@@ -178,7 +179,10 @@ class TAEHV(nn.Module):
                 extra = (0, 0, 0, 0, 0, -(2 * c) % 8)
                 pairs, weight = F.pad(pairs, extra), F.pad(weight, extra)
             pairs = pairs.contiguous(memory_format=torch.channels_last)
-        return F.relu(F.conv2d(pairs, weight, torch.cat((conv.bias, conv.bias)), padding=1))
+        bias = torch.cat((conv.bias, conv.bias))
+        if FAST_PATHS["fused_conv_relu"]:
+            return fused_conv3x3_relu(conv, pairs, weight, bias)
+        return F.relu(F.conv2d(pairs, weight, bias, padding=1))
 
     def decode_video(self, z: torch.Tensor, clamp: bool = True) -> torch.Tensor:
         """N×L×latent_channels×h×w → N×(t_upscale·L − frames_to_trim)×3×8h×8w.

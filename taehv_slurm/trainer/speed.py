@@ -8,7 +8,8 @@
 - `use_compile_cache`: inductor's caches (FX graphs, AOT autograd, Triton kernels) in a folder on the
   shared filesystem, one per torch and CUDA version, so requeues, resubmits, shards and ranks load what
   one of them compiled instead of compiling again (~40 s per start on an H100). The cache keys each
-  graph by its code, shapes and the compiler's settings: a changed model never reuses a stale entry.
+  graph by its code, shapes and the compiler's settings, and the folder's name by our custom ops' code:
+  a changed model never reuses a stale entry.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def use_compile_cache(folder: str | os.PathLike | None) -> Path | None:
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if folder is None or (given and given != _default_inductor_cache()):
         return None
-    key = re.sub(r"[^A-Za-z0-9.+_-]", "_", f"torch-{torch.__version__}-cuda-{torch.version.cuda or 'none'}")
+    key = re.sub(r"[^A-Za-z0-9.+_-]", "_", f"torch-{torch.__version__}-cuda-{torch.version.cuda or 'none'}"
+                 f"-ops-{_custom_ops_digest()}")
     path = Path(folder) / key
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -128,6 +130,14 @@ def use_compile_cache(folder: str | os.PathLike | None) -> Path | None:
         return None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path
+
+
+def _custom_ops_digest() -> str:
+    """The code of the model's custom ops: torch's caches key a compiled graph by the ops' names, not by
+    the Python behind them (their backward formula is traced from it), so a changed op gets a new folder."""
+    from taehv_slurm.trainer import layers
+
+    return hashlib.sha256(Path(layers.__file__).read_bytes()).hexdigest()[:12]
 
 
 def _default_inductor_cache() -> str:

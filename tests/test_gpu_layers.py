@@ -1,0 +1,80 @@
+"""cuDNN's fused conv + bias (+ residual) + ReLU (`FAST_PATHS["fused_conv_relu"]`) on a real GPU.
+
+On a CPU the op runs as the plain ops (tests/test_model.py checks its formula and backward in float64).
+Here, in bf16 and channels-last as training runs, it must be as accurate as the plain path, and it must
+run as ONE kernel: a silent fallback to conv + elementwise kernels once cost 8 clips/s on an H200
+while every CPU test passed. Run with `python -m pytest -m gpu -n 0 -q`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from taehv_slurm.trainer.layers import FAST_PATHS, conv3x3_relu
+from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def full_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 references in fp32, not TF32 (cuDNN's default for fp32 convolutions)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+CL = torch.channels_last
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.detach().float() - ref.detach().float()).norm() / ref.detach().float().norm())
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["conv-relu", "conv-add-relu"])
+def test_the_fused_conv_runs_as_one_cudnn_kernel_with_fp32_accuracy(with_residual: bool) -> None:
+    """Values and gradients within bf16 rounding of the same sum in fp32, from the same inputs (the
+    fused kernel rounds once, so its ReLU mask is the fp32 one)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, 60, 90, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=CL)
+    w = (torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.bfloat16) / 24).contiguous(memory_format=CL)
+    b = torch.randn(64, device="cuda", dtype=torch.bfloat16) / 10
+    z = torch.randn_like(x) if with_residual else None
+    inputs = [t.requires_grad_() for t in (x, w, b, z) if t is not None]
+    fp32 = [t.detach().float().requires_grad_() for t in inputs]
+    ref = F.relu(F.conv2d(fp32[0], fp32[1], fp32[2], padding=1) + (fp32[3] if with_residual else 0))
+    got = conv3x3_relu(x, w, b, z)
+    assert got.dtype == torch.bfloat16 and got.is_contiguous(memory_format=CL)
+    assert rel_err(got, ref) < 1e-2
+    g = torch.randn_like(got)
+    grads = zip("xwbz", torch.autograd.grad(got, inputs, g), torch.autograd.grad(ref, fp32, g.float()))
+    for name, a, r in grads:
+        assert rel_err(a, r) < 1e-2, name
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        conv3x3_relu(x, w, b, z)
+        torch.cuda.synchronize()
+    kernels = [e.key for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.key.startswith("Memset")]
+    assert len(kernels) == 1 and "fprop" in kernels[0], kernels
+
+
+def test_the_fused_model_is_as_accurate_as_the_plain_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole training pass in bf16 autocast, fused and plain, each against the plain pass in fp32:
+    latents, decoded frames and every parameter's gradient."""
+    torch.manual_seed(0)
+    model = TAEHV(TAEHVConfig(encoder_width=32, decoder_widths=(64, 32, 32, 32)))
+    init_for_training(model)
+    model = model.cuda().to(memory_format=CL)
+    x = torch.rand(2, 8, 3, 64, 96, device="cuda")
+
+    def run(fused: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+        monkeypatch.setitem(FAST_PATHS, "fused_conv_relu", fused)
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
+            z, out = model(x)
+        (out.float().square().mean() + z.float().square().mean()).backward()
+        return [z, out] + [p.grad.clone() for p in model.parameters()]
+
+    ref, plain, fused = run(False, torch.float32), run(False, torch.bfloat16), run(True, torch.bfloat16)
+    for r, p, f in zip(ref, plain, fused):
+        assert rel_err(f, r) <= max(1.5 * rel_err(p, r), 1e-2), (rel_err(f, r), rel_err(p, r))
