@@ -377,7 +377,7 @@ def test_conv_flops_match_flop_counter_on_meta_device(monkeypatch: pytest.Monkey
     assert analytic["decoder"] == pytest.approx(1.41e12 - 0.0447e12, rel=0.01)
 
 
-def test_the_mfu_flop_count_on_fake_tensors_is_a_real_forwards_count(monkeypatch) -> None:
+def test_the_mfu_flop_count_on_fake_tensors_is_a_real_forwards_count() -> None:
     # What every attempt counts before its first step (no device time or memory) against what a real
     # forward of one clip counts, for the tiny config's shape.
     from taehv_slurm.trainer.losses import DistillModule
@@ -393,8 +393,6 @@ def test_the_mfu_flop_count_on_fake_tensors_is_a_real_forwards_count(monkeypatch
     counted = model_flops_per_clip(module, 8, 64, 64, torch.device("cpu"), latent_channels=16)
     assert counted == 3.0 * counter.get_total_flops() > 0 and module.training
     assert inputs == ["FakeTensor"]  # counted on shapes, not by the real forward it falls back to
-    monkeypatch.setitem(FAST_PATHS, "fused_conv_relu", False)  # the fused op counts as the conv it runs
-    assert model_flops_per_clip(module, 8, 64, 64, torch.device("cpu"), latent_channels=16) == counted
 
 
 def test_the_flop_count_is_counted_once_per_model_and_shape(tmp_path) -> None:

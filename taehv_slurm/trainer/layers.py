@@ -4,8 +4,7 @@
 of `FAST_PATHS` (each checked against the published block order, outputs and gradients, in
 tests/test_model.py): linear chains folded into one conv, the RGB head on a space-to-depth layout, the
 first stage on frame pairs, and each conv + bias (+ residual) + ReLU as one cuDNN kernel on a GPU
-(`conv3x3_relu`, also checked on a GPU by tests/test_gpu_layers.py). docs/benchmarks.md has what each
-one is worth.
+(`conv3x3_relu`: tests/test_fused_conv.py). docs/benchmarks.md has what each one is worth.
 """
 
 from __future__ import annotations
@@ -235,12 +234,16 @@ def _conv3x3_relu_flops(x_shape, w_shape, *args, out_shape, **kwargs) -> int:
 def fused_conv3x3_relu(conv: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor | None = None,
                        bias: torch.Tensor | None = None,
                        residual: torch.Tensor | None = None) -> torch.Tensor:
-    """relu(conv(x) [+ residual]) through `conv3x3_relu`, for a 3×3, stride-1, padding-1 conv with bias;
-    its weight and bias overridable (composed weights)."""
+    """relu(conv(x) [+ residual]) for a 3×3, stride-1, padding-1 conv with bias, its weight and bias
+    overridable (composed weights): `conv3x3_relu` where cuDNN fuses it, elsewhere the plain ops (the
+    compiler fuses those with their neighbours; the custom op is opaque to it)."""
     weight = conv.weight if weight is None else weight
     bias = conv.bias if bias is None else bias
     if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.conv2d would
         x = x.to(torch.get_autocast_dtype(x.device.type))
+    if not _cudnn_fuses(x):
+        out = F.conv2d(x, weight, bias, padding=1)
+        return F.relu(out if residual is None else out + residual)
     return conv3x3_relu(x, _like_input(weight, x), bias.to(x.dtype),
                         None if residual is None else residual.to(x.dtype))
 

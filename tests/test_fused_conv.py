@@ -1,9 +1,12 @@
-"""cuDNN's fused conv + bias (+ residual) + ReLU (`FAST_PATHS["fused_conv_relu"]`) on a real GPU.
+"""`conv3x3_relu`: conv + bias (+ residual) + ReLU as one cuDNN kernel (`FAST_PATHS["fused_conv_relu"]`).
 
-On a CPU the op runs as the plain ops (tests/test_model.py checks its formula and backward in float64).
-Here, in bf16 and channels-last as training runs, it must be as accurate as the plain path, and it must
-run as ONE kernel: a silent fallback to conv + elementwise kernels once cost 8 clips/s on an H200
-while every CPU test passed. Run with `python -m pytest -m gpu -n 0 -q`.
+The model uses it only where cuDNN fuses it (half precision, channels-last, CUDA); elsewhere it runs the
+plain ops, which tests/test_model.py checks against the published formulation. Here, on any machine: its
+backward is the gradient of its forward (float64, numerically) and it counts the FLOPs of the convolution
+it runs (MFU). On a GPU (marked `gpu`; `python -m pytest -m gpu -n 0 -q`), in bf16 and channels-last as
+training runs: it is ONE kernel (a silent fallback to conv + elementwise kernels once cost 8 clips/s on an
+H200 while every CPU test passed), within bf16 rounding of fp32, and the whole model with it is as accurate
+as without it.
 """
 
 from __future__ import annotations
@@ -12,17 +15,34 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
 
 from taehv_slurm.trainer.layers import FAST_PATHS, conv3x3_relu
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.fixture(autouse=True)
 def full_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32 references in fp32, not TF32 (cuDNN's default for fp32 convolutions)."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["conv-relu", "conv-add-relu"])
+def test_the_backward_is_the_forwards_gradient_and_flops_are_the_convs(with_residual: bool) -> None:
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 4, 5, 6), torch.randn(3, 4, 3, 3) / 6, torch.randn(3) / 10
+    z = torch.randn(2, 3, 5, 6) if with_residual else None
+    inputs = tuple(t.double().requires_grad_() for t in (x, w, b, z) if t is not None)
+    assert torch.autograd.gradcheck(conv3x3_relu, inputs)
+    counts = []
+    for op in (lambda: conv3x3_relu(*inputs), lambda: F.conv2d(*inputs[:3], padding=1)):
+        with FlopCounterMode(display=False) as counter:
+            op()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
+
 
 CL = torch.channels_last
 
@@ -31,6 +51,8 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.detach().float() - ref.detach().float()).norm() / ref.detach().float().norm())
 
 
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("with_residual", [False, True], ids=["conv-relu", "conv-add-relu"])
 def test_the_fused_conv_runs_as_one_cudnn_kernel_with_fp32_accuracy(with_residual: bool) -> None:
     """Values and gradients within bf16 rounding of the same sum in fp32, from the same inputs (the
@@ -58,6 +80,8 @@ def test_the_fused_conv_runs_as_one_cudnn_kernel_with_fp32_accuracy(with_residua
     assert len(kernels) == 1 and "fprop" in kernels[0], kernels
 
 
+@pytest.mark.gpu
+@needs_gpu
 def test_the_fused_model_is_as_accurate_as_the_plain_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole training pass in bf16 autocast, fused and plain, each against the plain pass in fp32:
     latents, decoded frames and every parameter's gradient."""
