@@ -310,7 +310,8 @@ def is_conv3x3_relu(blocks: list[nn.Module], i: int) -> bool:
     return (FAST_PATHS["fused_conv_relu"] and i + 1 < len(blocks) and isinstance(blocks[i + 1], nn.ReLU)
             and isinstance(conv, nn.Conv2d)
             and conv.kernel_size == (3, 3) and conv.stride == (1, 1) and conv.padding == (1, 1)
-            and conv.groups == 1 and conv.bias is not None)
+            and conv.dilation == (1, 1) and conv.groups == 1 and conv.padding_mode == "zeros"
+            and conv.bias is not None)
 
 
 def grow_up_conv(blocks: list[nn.Module], i: int, x: torch.Tensor, keep_phases: bool = False) -> torch.Tensor:
@@ -370,4 +371,3 @@ def rgb_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
         bias = None if bias is None else F.pad(bias, (0, pad))
     return F.conv2d(x, _like_input(weight, x), None if bias is None else bias.to(x.dtype),
                     padding=1)[:, :out_channels]
-
