@@ -185,6 +185,12 @@ def _cudnn_fuses(x: torch.Tensor) -> bool:
             and _is_channels_last(x))
 
 
+def _plain_conv3x3_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                        residual: torch.Tensor | None) -> torch.Tensor:
+    out = F.conv2d(x, weight, bias, padding=1)
+    return F.relu(out if residual is None else out + residual)
+
+
 @torch.library.custom_op("taehv::conv3x3_relu", mutates_args=())
 def conv3x3_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,8 +203,7 @@ def conv3x3_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
         out = (torch.cudnn_convolution_relu(x, weight, bias, *args) if residual is None
                else torch.cudnn_convolution_add_relu(x, weight, residual, 1.0, bias, *args))
     else:
-        out = F.conv2d(x, weight, bias, padding=1)
-        out = F.relu(out if residual is None else out + residual)
+        out = _plain_conv3x3_relu(x, weight, bias, residual)
     return out.contiguous(memory_format=_format_of(x))  # what the fake below promises the compiler
 
 
@@ -217,7 +222,7 @@ def _conv3x3_relu_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
 def _conv3x3_relu_backward(ctx, grad: torch.Tensor) -> tuple:
     x, weight, out = ctx.saved_tensors
     grad = torch.ops.aten.threshold_backward(grad, out, 0)  # ReLU's gradient, from its output
-    mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
+    mask = list(ctx.needs_input_grad[:3])  # x, weight, bias
     dx, dw, db = torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]], [1, 1], [1, 1],
                                                      [1, 1], False, [0, 0], 1, mask)
     return dx, dw, db, grad if ctx.has_residual else None
@@ -242,8 +247,7 @@ def fused_conv3x3_relu(conv: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor | 
     if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.conv2d would
         x = x.to(torch.get_autocast_dtype(x.device.type))
     if not _cudnn_fuses(x):
-        out = F.conv2d(x, weight, bias, padding=1)
-        return F.relu(out if residual is None else out + residual)
+        return _plain_conv3x3_relu(x, weight, bias, residual)
     return conv3x3_relu(x, _like_input(weight, x), bias.to(x.dtype),
                         None if residual is None else residual.to(x.dtype))
 
