@@ -29,6 +29,11 @@ from taehv_slurm.messages import command
 # (ZeRO-2 −30 %). ZeRO buys no memory worth its cost for an 11 M-parameter model, so the plan prefers
 # allreduce and moves to ZeRO only when parameters + optimizer states do not fit.
 ENGINE_RELATIVE_SPEED = {"allreduce": 1.0, "zero1": 0.95, "zero2": 0.93, "zero3": 0.82}
+# Engines that torch.compile their step where engine.compile is on (GPUs). ZeRO-3 gathers each partitioned
+# weight when it is read; the model composes weights from several layers outside those layers' calls, so
+# the compiler traces the partitions instead (on an H200 the compiled ZeRO-3 step failed at its first
+# trace, docs/benchmarks.md): ZeRO-3 runs uncompiled.
+COMPILED_ENGINES = ("allreduce", "zero1", "zero2")
 # Activation memory of one 12×480×720 clip in a bf16 training step (encoder + decoder, forward +
 # backward, torch.compile), measured on H200: peak 35.1 GiB at batch 8 → 4.4 GiB per clip (17.5 GiB
 # at batch 4). Scales with frames × pixels.
@@ -159,6 +164,9 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
     timeout = max(t for n, t in NCCL_TIMEOUT_BY_NODES if num_nodes >= n)
     nccl_env = _nccl_env(num_nodes) if on_gpu else {}
     workers, prefetch, notes = _loader_settings(cfg, cpus_per_task, on_gpu)
+    if on_gpu and cfg.engine.compile and engine not in COMPILED_ENGINES:
+        notes.append(f"{engine} runs without torch.compile (it gathers each weight when read, which the "
+                     "compiler cannot trace here); zero2 and allreduce compile")
     auto_interval = checkpoint_interval_s(world) if cfg.intervals.ckpt_every == "auto" else None
     scale = _lr_scale(cfg)
     return ScalePlan(

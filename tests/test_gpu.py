@@ -9,6 +9,7 @@ under every `engine.compile_mode`, with validation and checkpoints in between:
 - CUDA graphs (`reduce-overhead`) give the losses of `default`: the same kernels replayed, so the same
   numbers up to bf16 rounding and cuDNN's algorithm choice per process (rel 2e-2 over 12 steps);
 - a cancel mid-run (SIGTERM, as a preemption) saves the step and the same --name resumes from it;
+- ZeRO-2 (compiled) and ZeRO-3 (uncompiled) train it too;
 - the logged clips/s is the wall clock's, also with the slow-rank timing off (its sync once hid that
   the log line measured only what the host had queued: 3.7 % too fast on an H200).
 """
@@ -94,6 +95,20 @@ def test_cuda_graphs_give_the_losses_of_default(runs) -> None:
         reference = [r["loss"] for r in runs[("default", accum)][1]]
         graphs = [r["loss"] for r in runs[("reduce-overhead", accum)][1]]
         assert graphs == pytest.approx(reference, rel=SAME_LOSS_REL), accum
+
+
+@pytest.mark.parametrize("engine", ["zero2", "zero3"])
+def test_each_deepspeed_engine_trains_the_shipped_config(tmp_path: Path, engine: str) -> None:
+    """ZeRO on a GPU, as a user sets it: zero2 compiled, zero3 uncompiled and saying so (compiled, its
+    first step failed: the compiler traced the partitioned weights the model composes)."""
+    pytest.importorskip("deepspeed")
+    out = subprocess.run(submit_args(cluster_file(tmp_path), engine, **{"engine.kind": engine,
+                                                                        "batch.effective": PER_GPU * 4}),
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "ended: COMPLETED" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+    assert ("runs without torch.compile" in out.stdout) == (engine == "zero3")
+    rows = train_rows(tmp_path / "runs" / engine)
+    assert [r["step"] for r in rows] == list(range(1, 13)) and rows[-1]["loss"] < rows[0]["loss"]
 
 
 def test_a_signal_mid_run_saves_and_the_same_name_resumes(tmp_path: Path) -> None:

@@ -128,6 +128,18 @@ def test_engine_follows_memory(real) -> None:
         plan_for(1, 8, real, gpu_memory_gb=10)  # 4 clips of 720×480×12 need ~25 GB of activations
 
 
+def test_zero3_says_it_runs_uncompiled(real) -> None:
+    """ZeRO-3 does not compile (its gathered weights cannot be traced through the model's composed ones):
+    the plan says so where the config asks for compiling, on GPUs; the other engines compile silently."""
+    notes = {kind: plan_for(1, 8, load_train(real.to_dict(), **{"engine.kind": kind})).notes
+             for kind in ("allreduce", "zero1", "zero2", "zero3")}
+    assert [k for k, lines in notes.items() if any("without torch.compile" in n for n in lines)] == ["zero3"]
+    zero3 = load_train(real.to_dict(), **{"engine.kind": "zero3"})
+    eager = load_train(zero3.to_dict(), **{"engine.compile": False})
+    for quiet in (plan_for(1, 8, eager), plan_for(1, 8, zero3, device="cpu")):
+        assert not any("torch.compile" in n for n in quiet.notes)
+
+
 def test_param_count_matches_the_model(real) -> None:
     from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, param_counts
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from taehv_slurm.config import ConfigError, missing_engine_package
+from taehv_slurm.plan import COMPILED_ENGINES
 from taehv_slurm.trainer.losses import DistillModule, summarize
 from taehv_slurm.trainer.teacher import to_unit
 
@@ -309,7 +310,8 @@ class DeepSpeedEngine(Engine):
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=module, optimizer=self.adamw,
                                                              config=config, dist_init_required=False)
         module.compute_dtype = torch.bfloat16 if bf16 else None
-        if compile and device.type == "cuda" and hasattr(self.ds, "compile"):
+        compiled = compile and self.kind in COMPILED_ENGINES and device.type == "cuda"  # plan.py: not zero3
+        if compiled and hasattr(self.ds, "compile"):
             self.ds.compile()  # default mode: ZeRO's hooks run collectives that CUDA graphs cannot capture
 
     def train_step(self, microbatches: Iterable[Microbatch], lr: float) -> StepMetrics:
