@@ -16,5 +16,8 @@ $PY -m pip install torch==2.13.0
 # deepspeed ships as an sdist: build it against the torch above, not in an isolated env (that pulls CUDA torch).
 DS_BUILD_OPS=0 $PY -m pip install --no-build-isolation 'deepspeed>=0.19,<0.20'
 $PY -m pip install --no-build-isolation -e '.[dev,deepspeed,trackers]'
+# Triton, for its CPU interpreter in tests/test_rgb_head.py only: kept apart from site-packages (CPU torch
+# brings no Triton, and with it installed every process that imports torch._dynamo imports it too).
+$PY -m pip install --upgrade --target .triton-interpreter 'triton>=3.2'
 $PY -m ipykernel install --sys-prefix --name python3 >/dev/null
 echo "setup done: run the tests with  $PY -m pytest -q"

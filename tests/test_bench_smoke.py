@@ -57,6 +57,14 @@ def test_train_throughput_smoke(tmp_path: Path) -> None:
     assert all(row["clips_per_s_per_gpu"] > 0 for row in result["rows"])
 
 
+def test_rgb_head_throughput_smoke(tmp_path: Path) -> None:
+    _, result = run_smoke("rgb_head_throughput.py", tmp_path / "head.json")
+    # the head's input as the model's training pass builds it: 2 new frames × 64 channels × 2×2 phases
+    assert result["info"]["stacked_shape"] == [2, 512, 16, 16] and result["info"]["frames_per_image"] == 2
+    assert [row["path"] for row in result["rows"]] == ["plain_eager"]
+    assert all(row["forward_ms"] > 0 and row["forward_backward_ms"] > 0 for row in result["rows"])
+
+
 def test_loader_throughput_smoke(tmp_path: Path) -> None:
     _, result = run_smoke("loader_throughput.py", tmp_path / "loader.json")
     for source in ("video", "prepared", "synthetic"):  # shards written by jobs.prepare from real H.264 files

@@ -3,8 +3,9 @@
 `apply_stack` runs an encoder or decoder stack on all frames at once, with the exact reformulations
 of `FAST_PATHS` (each checked against the published block order, outputs and gradients, in
 tests/test_model.py): linear chains folded into one conv, the RGB head on a space-to-depth layout, the
-first stage on frame pairs, and each conv + bias (+ residual) + ReLU as one cuDNN kernel on a GPU
-(`conv3x3_relu`: tests/test_fused_conv.py). docs/benchmarks.md has what each one is worth.
+first stage on frame pairs, each conv + bias (+ residual) + ReLU as one cuDNN kernel on a GPU
+(`conv3x3_relu`: tests/test_fused_conv.py), and the head's ReLU + conv as Triton kernels on a GPU
+(rgb_head.py: tests/test_rgb_head.py). docs/benchmarks.md has what each one is worth.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
+
+from taehv_slurm.trainer.rgb_head import relu_conv3x3_frames, triton_head_runs
 
 
 def conv3x3(c_in: int, c_out: int, stride: int = 1, bias: bool = True) -> nn.Conv2d:
@@ -158,6 +161,7 @@ FAST_PATHS = {
     "fold_linear": True,        # TPool→conv and TGrow→Upsample→conv each as ONE conv (no upsampled tensor)
     "phase_head": True,         # the RGB head on the last stage's phase layout (with fold_linear)
     "fused_conv_relu": True,    # conv3x3 + bias (+ residual) + ReLU as one op: one cuDNN kernel on a GPU
+    "triton_head": True,        # ... and its ReLU + head as Triton kernels on the stacked frames (on a GPU)
 }
 
 
@@ -318,12 +322,31 @@ def is_conv3x3_relu(blocks: list[nn.Module], i: int) -> bool:
             and conv.bias is not None)
 
 
-def grow_up_conv(blocks: list[nn.Module], i: int, x: torch.Tensor, keep_phases: bool = False) -> torch.Tensor:
-    """Run blocks[i:i+3] (see folds_grow_up_conv) as one low-resolution conv plus one copy that places
-    frames and phases. ``keep_phases`` leaves the up×up phases on the channels (for the phase head)."""
+def grow_up_stacked(blocks: list[nn.Module], i: int, x: torch.Tensor) -> torch.Tensor:
+    """blocks[i:i+3] (see folds_grow_up_conv) as one low-resolution conv, its output channels (new frame,
+    channel, row phase, column phase)."""
     up, grow, conv = upscale_of(blocks[i]), blocks[i + 1], blocks[i + 2]
-    y = F.conv2d(x, _like_input(_upsampled_conv_weight(conv, grow, up), x), padding=1)
-    return _unstack_frames(y, grow.stride, 1 if keep_phases else up)
+    return F.conv2d(x, _like_input(_upsampled_conv_weight(conv, grow, up), x), padding=1)
+
+
+def grow_up_conv(blocks: list[nn.Module], i: int, x: torch.Tensor) -> torch.Tensor:
+    """Run blocks[i:i+3] (see folds_grow_up_conv) as one low-resolution conv plus one copy that places
+    frames and phases."""
+    return _unstack_frames(grow_up_stacked(blocks, i, x), blocks[i + 1].stride, upscale_of(blocks[i]))
+
+
+def phase_head(stacked: torch.Tensor, frames: int, head: nn.Conv2d, up: int) -> torch.Tensor:
+    """ReLU, then the RGB head (3×3) on the last stage's output left as ``frames`` frames × up×up phases
+    on the channels (from `grow_up_stacked`); only the 3-channel result is shuffled into pixels. With
+    ``triton_head`` on a GPU, one op reads the stacked frames in place (rgb_head.py); else they are copied
+    into frames first."""
+    weight, bias = phase_conv_weight(head, up)
+    if FAST_PATHS["triton_head"] and triton_head_runs(stacked, weight):
+        bias = weight.new_zeros(weight.shape[0]) if bias is None else bias
+        out = relu_conv3x3_frames(stacked, weight, bias, frames)
+    else:
+        out = rgb_conv(F.relu(_unstack_frames(stacked, frames)), weight, bias)
+    return F.pixel_shuffle(out, up)
 
 
 def apply_stack(stack: nn.Sequential, x: torch.Tensor, n: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ Differences from the published code, all for training:
 - the one cross-frame operation (MemBlock memory) is a single pad on the N×T view that keeps the
   input's memory format, so channels_last training does not pay for layout conversions;
 - exact reformulations that save memory traffic (``FAST_PATHS``): linear chains folded into one conv,
-  the RGB head on a space-to-depth layout, the first stage on frame pairs.
+  the RGB head on a space-to-depth layout (on a GPU, Triton kernels that read the last stage's output in
+  place), the first stage on frame pairs.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from taehv_slurm.trainer.layers import (
     folds_grow_up_conv,
     folds_with_pool,
     fused_conv3x3_relu,
-    grow_up_conv,
-    phase_conv_weight,
+    grow_up_stacked,
+    phase_head,
     pooled_conv,
     rgb_conv,
     upscale_of,
@@ -202,9 +203,8 @@ class TAEHV(nn.Module):
             # The last stage's conv leaves its output as up×up phases on the channels and the head runs
             # on that layout, so no full-resolution 64-channel tensor is ever laid out as pixels; only
             # the 3-channel result is shuffled into place.
-            up = upscale_of(blocks[tail])
-            x = F.relu(grow_up_conv(blocks, tail, apply_stack(self.decoder[:tail], x, n), keep_phases=True))
-            x = F.pixel_shuffle(rgb_conv(x, *phase_conv_weight(head, up)), up)
+            stacked = grow_up_stacked(blocks, tail, apply_stack(self.decoder[:tail], x, n))
+            x = phase_head(stacked, blocks[tail + 1].stride, head, upscale_of(blocks[tail]))
         else:
             x = rgb_conv(apply_stack(self.decoder[:-1], x, n), head.weight, head.bias)
         if self.config.patch_size > 1:

@@ -134,10 +134,14 @@ def use_compile_cache(folder: str | os.PathLike | None) -> Path | None:
 
 def _custom_ops_digest() -> str:
     """The code of the model's custom ops: torch's caches key a compiled graph by the ops' names, not by
-    the Python behind them (their backward formula is traced from it), so a changed op gets a new folder."""
-    from taehv_slurm.trainer import layers
+    the Python behind them (their backward formula is traced from it), so a changed op gets a new folder.
+    (The Triton kernels run from rgb_head_kernels.py at call time: never stale, not hashed.)"""
+    from taehv_slurm.trainer import layers, rgb_head
 
-    return hashlib.sha256(Path(layers.__file__).read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256()
+    for module in (layers, rgb_head):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def _default_inductor_cache() -> str:
