@@ -55,7 +55,8 @@ def relu_conv3x3_frames_backward(grad: torch.Tensor, stacked: torch.Tensor, weig
 @relu_conv3x3_frames_backward.register_fake
 def _(grad: torch.Tensor, stacked: torch.Tensor, weight: torch.Tensor,
       frames: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(stacked), weight.new_empty(weight.shape, dtype=torch.float32)
+    return (stacked.new_empty_strided(stacked.shape, stacked.stride()),
+            weight.new_empty(weight.shape, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:

@@ -145,7 +145,7 @@ def backward(grad: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     rows = triton.cdiv(h, row_blocks)
     row_blocks = triton.cdiv(h, rows)
     grad = grad.to(y.dtype)  # the kernel's matrix products take one dtype
-    grad_y = torch.empty_like(y)
+    grad_y = y.new_empty_strided(y.shape, y.stride())  # the kernel indexes both with y's strides
     jo = triton.next_power_of_2(9 * cout)
     partial = torch.empty(n * frames * row_blocks * col_blocks, cin, jo, dtype=torch.float32, device=y.device)
     grid = (n * frames, row_blocks, col_blocks * (cin // bc))
