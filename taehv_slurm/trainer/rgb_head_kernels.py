@@ -114,7 +114,7 @@ def _channel_block(cin: int, block: int) -> int:
     return block
 
 
-def padded_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _padded_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(out, in, 3, 3) → (tap, in, OUTS), zero beyond the real outputs."""
     cout, cin = weight.shape[:2]
     padded = weight.new_zeros(9, cin, OUTS, dtype=dtype)
@@ -129,7 +129,7 @@ def forward(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, frames: i
     b = bias.new_zeros(OUTS, dtype=torch.float32)
     b[:cout] = bias
     grid = (n * frames, triton.cdiv(h, FORWARD_ROWS), triton.cdiv(w, FORWARD_COLS))
-    _forward[grid](y, padded_weight(weight, y.dtype), b, out, h, w, *y.stride(), K=frames, CIN=cin,
+    _forward[grid](y, _padded_weight(weight, y.dtype), b, out, h, w, *y.stride(), K=frames, CIN=cin,
                    COUT=cout, ROWS=FORWARD_ROWS, BW=FORWARD_COLS, BC=_channel_block(cin, FORWARD_CHANNELS),
                    OUTS=OUTS, num_warps=FORWARD_WARPS, num_stages=FORWARD_STAGES)
     return out
@@ -149,7 +149,7 @@ def backward(grad: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     jo = triton.next_power_of_2(9 * cout)
     partial = torch.empty(n * frames * row_blocks * col_blocks, cin, jo, dtype=torch.float32, device=y.device)
     grid = (n * frames, row_blocks, col_blocks * (cin // bc))
-    _backward[grid](grad, y, padded_weight(weight, y.dtype), grad_y, partial, h, w, *grad.stride(),
+    _backward[grid](grad, y, _padded_weight(weight, y.dtype), grad_y, partial, h, w, *grad.stride(),
                     *y.stride(), rows, K=frames, CIN=cin, COUT=cout, BW=BACKWARD_COLS, BC=bc,
                     JO=jo, OUTS=OUTS, num_warps=BACKWARD_WARPS, num_stages=BACKWARD_STAGES)
     gw = partial.sum(0)[:, :9 * cout].reshape(cin, 9, cout)  # (in, tap, out)
