@@ -11,6 +11,8 @@ as without it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,25 +82,34 @@ def test_the_fused_conv_runs_as_one_cudnn_kernel_with_fp32_accuracy(with_residua
     assert len(kernels) == 1 and "fprop" in kernels[0], kernels
 
 
-@pytest.mark.gpu
-@needs_gpu
-def test_the_fused_model_is_as_accurate_as_the_plain_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole training pass in bf16 autocast, fused and plain, each against the plain pass in fp32:
-    latents, decoded frames and every parameter's gradient."""
+def tiny_model_passes(monkeypatch: pytest.MonkeyPatch,
+                      fast_path: str) -> Callable[[bool, torch.dtype], list[torch.Tensor]]:
+    """A tiny model on the GPU, channels-last as training runs, and ``run(on, dtype)``: one training pass
+    with ``FAST_PATHS[fast_path]`` set to ``on``, in ``dtype`` autocast (none for fp32) → latents, decoded
+    frames, then every parameter's gradient (the head's weight and bias last)."""
     torch.manual_seed(0)
     model = TAEHV(TAEHVConfig(encoder_width=32, decoder_widths=(64, 32, 32, 32)))
     init_for_training(model)
     model = model.cuda().to(memory_format=CL)
     x = torch.rand(2, 8, 3, 64, 96, device="cuda")
 
-    def run(fused: bool, dtype: torch.dtype) -> list[torch.Tensor]:
-        monkeypatch.setitem(FAST_PATHS, "fused_conv_relu", fused)
+    def run(on: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+        monkeypatch.setitem(FAST_PATHS, fast_path, on)
         model.zero_grad()
         with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
             z, out = model(x)
         (out.float().square().mean() + z.float().square().mean()).backward()
         return [z, out] + [p.grad.clone() for p in model.parameters()]
 
+    return run
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_fused_model_is_as_accurate_as_the_plain_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole training pass in bf16 autocast, fused and plain, each against the plain pass in fp32:
+    latents, decoded frames and every parameter's gradient."""
+    run = tiny_model_passes(monkeypatch, "fused_conv_relu")
     ref, plain, fused = run(False, torch.float32), run(False, torch.bfloat16), run(True, torch.bfloat16)
     for r, p, f in zip(ref, plain, fused):
         assert rel_err(f, r) <= max(1.5 * rel_err(p, r), 1e-2), (rel_err(f, r), rel_err(p, r))

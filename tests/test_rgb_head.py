@@ -24,10 +24,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
-from taehv_slurm.trainer.layers import FAST_PATHS, _unstack_frames
-from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training
+from taehv_slurm.trainer.layers import _unstack_frames
 from taehv_slurm.trainer.rgb_head import relu_conv3x3_frames
 from tests.helpers import REPO
+from tests.test_fused_conv import rel_err, tiny_model_passes
 
 TRITON_INTERPRETER = REPO / ".triton-interpreter"  # scripts/setup.sh installs Triton here
 CL = torch.channels_last
@@ -45,10 +45,6 @@ def inputs(dtype: torch.dtype, device: str, n: int = 1, frames: int = 2, c: int 
     weight = torch.randn(out, c, 3, 3, device=device) / (3 * c ** 0.5)
     bias = torch.randn(out, device=device)
     return stacked, weight, bias
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.detach().float() - ref.detach().float()).norm() / ref.detach().float().norm())
 
 
 def check_interpreted() -> None:
@@ -141,19 +137,11 @@ def test_the_kernels_are_within_bf16_rounding_of_fp32() -> None:
 def test_training_runs_the_head_as_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny model's bf16 channels-last pass calls both kernels, and with them its output and head
     gradients are as close to an fp32 run as the plain path's."""
-    torch.manual_seed(0)
-    model = TAEHV(TAEHVConfig(encoder_width=32, decoder_widths=(64, 32, 32, 32)))
-    init_for_training(model)
-    model = model.cuda().to(memory_format=CL)
-    x = torch.rand(2, 8, 3, 64, 96, device="cuda")
+    passes = tiny_model_passes(monkeypatch, "triton_head")
 
-    def run(triton_head: bool, dtype: torch.dtype) -> list[torch.Tensor]:
-        monkeypatch.setitem(FAST_PATHS, "triton_head", triton_head)
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):
-            _, out = model(x)
-        out.float().square().mean().backward()
-        return [out] + [p.grad.clone() for p in model.decoder[-1].parameters()]
+    def run(on: bool, dtype: torch.dtype) -> list[torch.Tensor]:
+        _, out, *grads = passes(on, dtype)
+        return [out, *grads[-2:]]  # the frames, the head's weight and bias
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         ours = run(True, torch.bfloat16)
