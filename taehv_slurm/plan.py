@@ -166,7 +166,7 @@ def plan_for(num_nodes: int, gpus_per_node: int, train: TrainConfig | Mapping[st
     workers, prefetch, notes = _loader_settings(cfg, cpus_per_task, on_gpu)
     if on_gpu and cfg.engine.compile and engine not in COMPILED_ENGINES:
         notes.append(f"{engine} runs without torch.compile (it gathers each weight when read, which the "
-                     "compiler cannot trace here); zero2 and allreduce compile")
+                     f"compiler cannot trace here); {', '.join(COMPILED_ENGINES)} compile")
     auto_interval = checkpoint_interval_s(world) if cfg.intervals.ckpt_every == "auto" else None
     scale = _lr_scale(cfg)
     return ScalePlan(
