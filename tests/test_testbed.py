@@ -39,7 +39,9 @@ def wait_for(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:
 def test_sinfo_lists_every_node_idle_with_8_gpus_and_16_cpus(slurm_cluster: Testbed) -> None:
     def nodes() -> dict[str, list[str]] | None:
         out = sh("sinfo", "-h", "-N", "-p", slurm_cluster.partition, "-o", "%N|%t|%G|%c|%C")
-        rows = {f[0]: f[1:] for f in (line.split("|") for line in out.split())}
+        # A trailing '-' means the backfill scheduler has planned the node for another test's pending job;
+        # that is a healthy node. Other suffixes ('*' not responding, '~' powered off, ...) stay and fail.
+        rows = {f[0]: [f[1].removesuffix("-"), *f[2:]] for f in (line.split("|") for line in out.split())}
         # A node may still run another test's job: then it is allocated, not idle; otherwise idle.
         settled = all((state == "idle") == (cpus.split("/")[0] == "0") for state, _, _, cpus in rows.values())
         return rows if settled else None
