@@ -191,9 +191,13 @@ class FlatAllReduceEngine(Engine):
         # One element more than the gradients: each rank's non-finite-loss flag, summed by the same
         # all-reduce, so every rank skips a bad step together without a collective of its own.
         self.flat_grad = torch.zeros(sum(p.numel() for p in params) + 1, device=device, dtype=torch.float32)
-        offset = 0
-        for p in params:  # each .grad a view with the parameter's own strides (channels_last too)
-            p.grad = self.flat_grad.as_strided(p.shape, p.stride(), offset)
+        storage, offset = self.flat_grad.untyped_storage(), 0
+        # Each .grad a window of the buffer with its parameter's strides (channels_last too), sharing its
+        # memory without being an autograd view of it: torch.compile fakes every parameter's .grad, and
+        # rebuilding 128 views of one base took 6-7 s of each start, warm cache or not
+        # (bench/compile_start.py).
+        for p in params:
+            p.grad = self.flat_grad.new_empty(0).set_(storage, offset, p.shape, p.stride())
             offset += p.numel()
         if self.world > 1:
             with torch.no_grad():
@@ -213,7 +217,7 @@ class FlatAllReduceEngine(Engine):
 
     def train_step(self, microbatches: Iterable[Microbatch], lr: float) -> StepMetrics:
         self.module.train()
-        self.flat_grad.zero_()  # keeps the views (never set_to_none)
+        self.flat_grad.zero_()  # keeps the windows (never set_to_none)
         sums = _MetricSums()
         clock = ComputeClock(self.device) if self.time_compute else None
         for frames, latents, weight in microbatches:
