@@ -7,7 +7,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import REPO
 
@@ -44,3 +47,40 @@ def test_the_compile_cache_is_the_job_folders_unless_the_user_chose_one(tmp_path
     mine = probe(tmp_path / "other-cache", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine"))
     assert mine == {"chosen": None, "env": str(tmp_path / "mine")}
     assert not (tmp_path / "other-cache").exists()
+
+
+def test_the_training_graph_is_one_the_aot_autograd_cache_takes(tmp_path: Path) -> None:
+    """A warm start loads the compiled training pass from the AOT autograd cache instead of tracing its
+    joint graph again. torch >= 2.12 bypassed that cache for the model's fp32 blocks (autocast switched off
+    in the graph; docs/benchmarks.md). A real cold compile of even the tiny model costs ~110 CPU-s, so this
+    runs torch's own check, the one that bypassed it, on Dynamo's graphs of the tiny model's training pass."""
+    import torch
+    import torch._inductor.config as inductor_config
+    from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+
+    from taehv_slurm.trainer.losses import DistillModule
+    from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
+    from taehv_slurm.trainer.speed import use_compile_cache
+    from tests.helpers import tiny_train
+
+    module = DistillModule(TAEHV(TAEHVConfig.from_dict(tiny_train().model_fields())))
+    graphs = []
+
+    def capture(graph: torch.fx.GraphModule, _inputs: list) -> Callable:
+        graphs.append(graph)
+        return graph.forward
+
+    frames = torch.randint(0, 256, (1, 8, 3, 32, 32), dtype=torch.uint8)
+    latents = torch.randn(1, 2, 16, 4, 4)
+    with pytest.MonkeyPatch.context() as env, inductor_config.patch(unsafe_marked_cacheable_functions={}):
+        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        use_compile_cache(tmp_path)
+        torch._dynamo.reset()
+        try:
+            loss, _ = torch.compile(module, backend=capture, dynamic=False)(frames, latents)
+            loss.backward()
+            assert graphs
+            for graph in graphs:
+                check_cacheable(graph)  # raises BypassAOTAutogradCache, naming the call it refuses
+        finally:
+            torch._dynamo.reset()

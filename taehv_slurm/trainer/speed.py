@@ -9,7 +9,8 @@
   shared filesystem, one per torch and CUDA version, so requeues, resubmits, shards and ranks load what
   one of them compiled instead of compiling again (~40 s per start on an H100). The cache keys each
   graph by its code, shapes and the compiler's settings, and the folder's name by our custom ops' code:
-  a changed model never reuses a stale entry.
+  a changed model never reuses a stale entry. It also lets the AOT autograd cache take the model's graphs
+  (`AUTOCAST_IN_GRAPH`).
 """
 
 from __future__ import annotations
@@ -114,10 +115,24 @@ def mfu(clips_per_s_per_gpu: float, flops_per_clip: float, peak: float | None) -
     return round(clips_per_s_per_gpu * flops_per_clip / peak, 4) if peak else None
 
 
+# Dynamo records the model's `torch.autocast(enabled=False)` blocks (its weights composed in fp32, layers.py)
+# as calls of these two functions. torch >= 2.12 no longer counts them safe for its AOT autograd cache, which
+# then bypassed the whole training graph: every start traced the joint graph again (docs/benchmarks.md, the
+# start of every attempt). What they do is fixed by their constant arguments, which are part of the graph and
+# so of the cache key.
+AUTOCAST_IN_GRAPH = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
+
+
 def use_compile_cache(folder: str | os.PathLike | None) -> Path | None:
-    """Point inductor's caches at `folder/torch-<version>-cuda-<version>/` (set before the first compile).
+    """Point inductor's caches at `folder/torch-<version>-cuda-<version>/` (set before the first compile),
+    and let the AOT autograd cache take the model's graphs (`AUTOCAST_IN_GRAPH`), whatever the folder.
     A TORCHINDUCTOR_CACHE_DIR of the user's wins; torch's own default does not count as one (importing
     diffusers, for one, makes torch write its default, the node's temporary folder, into the environment)."""
+    import torch._inductor.config as inductor_config  # torch.compile imports it next anyway
+
+    marked = dict.fromkeys(AUTOCAST_IN_GRAPH, torch.__version__)
+    inductor_config.unsafe_marked_cacheable_functions = {**inductor_config.unsafe_marked_cacheable_functions,
+                                                         **marked}
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if folder is None or (given and given != _default_inductor_cache()):
         return None
