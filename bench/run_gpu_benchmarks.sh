@@ -17,6 +17,7 @@ if [[ $part == single || $part == all ]]; then
   run graphs python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4 --out "$out/train_cuda_graphs.json"
   run single_plain python3 bench/train_throughput.py --variants eager,compile_cl --batch 4 --fast none --out "$out/train_single_plain.json"
   run engines_1gpu python3 bench/train_throughput.py --variants eager_cl --engines allreduce,zero2 --batch 4 --out "$out/engines_1gpu.json"
+  LIMIT=900 run compile_start python3 bench/compile_start.py --ab --out "$out/compile_start.json"
 fi
 if [[ $part == multi || $part == all ]]; then
   run scaling python3 bench/train_throughput.py --gpus 2 --engines allreduce --multi-variant compile_cl_graphs --batch 4 --out "$out/train_2gpu.json"

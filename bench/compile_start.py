@@ -1,0 +1,125 @@
+"""Start to the first training step on a warm compile cache, isolated: the shipped student built and
+compiled as the trainer does (`use_compile_cache`, then the all-reduce engine with torch.compile), in fresh
+processes on one cache folder: the first fills it (cold), the next ones start from it (warm).
+
+    python bench/compile_start.py               # GPU: shipped shape, bf16, channels-last, CUDA graphs
+    python bench/compile_start.py --ab          # ... and the code before (below), one cache folder each
+    python bench/compile_start.py --height 32 --width 32 --mode default --ab   # CPU (inductor's C++)
+
+Each process reports its imports, its model and engine build, its first step (Dynamo, the caches' lookups or
+the compile, the first run), its second step, and torch's cache counters (`aot_autograd`: hit, miss or
+bypass). The user's figure, job start to first step through `jobs.submit`, is bench/e2e_throughput.py's
+`first_step_s`.
+
+"before" (--ab) undoes two changes of 2026-11-27: the model's autocast blocks marked cacheable
+(`AUTOCAST_IN_GRAPH`; torch >= 2.12 bypassed its AOT autograd cache without it) and the all-reduce
+engine's gradients as windows of its buffer instead of autograd views (torch.compile fakes each .grad).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+START = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def one_start(args: argparse.Namespace) -> dict:
+    """This process: build, compile and run two steps as a rank does; times from the process's start."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from taehv_slurm.trainer.engine import Microbatch, make_engine
+    from taehv_slurm.trainer.losses import DistillModule
+    from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
+    from taehv_slurm.trainer.speed import use_compile_cache
+
+    imported = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    use_compile_cache(args.cache)
+    if args.before:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.unsafe_marked_cacheable_functions = {}
+    torch.manual_seed(0)
+    student = TAEHV(TAEHVConfig()).to(device)
+    if cuda:
+        student.to(memory_format=torch.channels_last)
+        torch.backends.cudnn.benchmark = True
+    engine = make_engine("allreduce", DistillModule(student), device, precision="bf16" if cuda else "fp32",
+                         grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01, compile=True,
+                         compile_mode=args.mode, per_gpu_batch=args.batch, grad_accum=1, time_compute=False)
+    if args.before:
+        offset = 0
+        for p in (p for p in student.parameters() if p.requires_grad):
+            p.grad = engine.flat_grad.as_strided(p.shape, p.stride(), offset)
+            offset += p.numel()
+    frames = torch.randint(0, 256, (args.batch, args.frames, 3, args.height, args.width), dtype=torch.uint8,
+                           device=device)
+    latents = torch.randn(args.batch, args.frames // 4, 16, args.height // 8, args.width // 8, device=device)
+    step = [Microbatch(frames, latents, 1.0)]
+    built = time.perf_counter()
+    times = []
+    for _ in range(2):
+        engine.train_step(step, 1e-4)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter())
+    return {"imports_s": round(imported - START, 2), "build_s": round(built - imported, 2),
+            "first_step_s": round(times[0] - built, 2), "second_step_s": round(times[1] - times[0], 2),
+            "start_to_first_step_s": round(times[0] - START, 2),
+            "aot_autograd": dict(counters["aot_autograd"]), "fxgraph": {
+                k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frames", type=int, default=12)
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--width", type=int, default=720)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--mode", default="reduce-overhead", help="engine.compile_mode")
+    parser.add_argument("--starts", type=int, default=3,
+                        help="processes per cache folder: 1 cold, the rest warm")
+    parser.add_argument("--ab", action="store_true", help="also the code before (its own cache folder)")
+    parser.add_argument("--cache", help=argparse.SUPPRESS)  # a child's cache folder
+    parser.add_argument("--before", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.cache:
+        print(json.dumps(one_start(args)))
+        return
+
+    import torch
+
+    from bench._record import run_info, write_results
+
+    shape = ["--frames", str(args.frames), "--height", str(args.height), "--width", str(args.width),
+             "--batch", str(args.batch), "--mode", args.mode]
+    rows = []
+    for variant in ("shipped", "before") if args.ab else ("shipped",):
+        with tempfile.TemporaryDirectory() as cache:
+            for start in range(args.starts):
+                flags = ["--before"] if variant == "before" else []
+                done = subprocess.run([sys.executable, __file__, "--cache", cache, *shape, *flags],
+                                      capture_output=True, text=True, timeout=1800)
+                if done.returncode != 0:
+                    sys.exit(f"{variant} start {start} failed:\n{done.stderr[-3000:]}")
+                row = {"variant": variant, "start": "cold" if start == 0 else "warm",
+                       **json.loads(done.stdout.strip().splitlines()[-1])}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    info = run_info(torch.cuda.is_available(), frames=args.frames, height=args.height, width=args.width,
+                    batch=args.batch, compile_mode=args.mode)
+    write_results(args.out, "compile_start.json", {"info": info, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
