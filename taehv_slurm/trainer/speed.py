@@ -130,9 +130,10 @@ def use_compile_cache(folder: str | os.PathLike | None) -> Path | None:
     diffusers, for one, makes torch write its default, the node's temporary folder, into the environment)."""
     import torch._inductor.config as inductor_config  # torch.compile imports it next anyway
 
-    marked = dict.fromkeys(AUTOCAST_IN_GRAPH, torch.__version__)
-    inductor_config.unsafe_marked_cacheable_functions = {**inductor_config.unsafe_marked_cacheable_functions,
-                                                         **marked}
+    if hasattr(inductor_config, "unsafe_marked_cacheable_functions"):  # torch >= 2.8 (< 2.12 lists them safe)
+        marked = dict.fromkeys(AUTOCAST_IN_GRAPH, torch.__version__)
+        inductor_config.unsafe_marked_cacheable_functions = {
+            **inductor_config.unsafe_marked_cacheable_functions, **marked}
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if folder is None or (given and given != _default_inductor_cache()):
         return None
