@@ -1,11 +1,13 @@
 """What every benchmark records beside its figures, and where it writes them.
 
 Each result file carries the machine and the versions it ran with (device, torch, CUDA, cuDNN, NCCL,
-date), so a figure in docs/benchmarks.md can always be traced to where it was measured.
+date), so a figure in docs/benchmarks.md can always be traced to where it was measured. `add_clip_shape`
+gives the student benchmarks their clip, the shipped config's unless told otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -17,6 +19,17 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SHIPPED_TRAIN = RESULTS.parents[1] / "configs" / "train" / "taehv.yaml"
+
+
+def add_clip_shape(parser: argparse.ArgumentParser) -> None:
+    """--frames, --height, --width of the student's clips; by default configs/train/taehv.yaml's."""
+    from taehv_slurm.config import load_train
+
+    data = load_train(SHIPPED_TRAIN).data
+    parser.add_argument("--frames", type=int, default=data.frames)
+    parser.add_argument("--height", type=int, default=data.height)
+    parser.add_argument("--width", type=int, default=data.width)
 
 
 def run_info(on_gpu: bool, **extra: Any) -> dict[str, Any]:

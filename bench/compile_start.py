@@ -80,10 +80,10 @@ def one_start(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    from bench._record import add_clip_shape, run_info, write_results
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--frames", type=int, default=12)
-    parser.add_argument("--height", type=int, default=480)
-    parser.add_argument("--width", type=int, default=720)
+    add_clip_shape(parser)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--mode", default="reduce-overhead", help="engine.compile_mode")
     parser.add_argument("--starts", type=int, default=3,
@@ -98,8 +98,6 @@ def main() -> None:
         return
 
     import torch
-
-    from bench._record import run_info, write_results
 
     shape = ["--frames", str(args.frames), "--height", str(args.height), "--width", str(args.width),
              "--batch", str(args.batch), "--mode", args.mode]

@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._record import run_info, write_results  # noqa: E402
+from bench._record import add_clip_shape, run_info, write_results  # noqa: E402
 from taehv_slurm.trainer import model as model_module  # noqa: E402
 from taehv_slurm.trainer.layers import _unstack_frames, rgb_conv  # noqa: E402
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig  # noqa: E402
@@ -139,9 +139,7 @@ def sweep_row(kernel: str, fn, **blocks: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--frames", type=int, default=12)
-    p.add_argument("--height", type=int, default=480)
-    p.add_argument("--width", type=int, default=720)
+    add_clip_shape(p)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--sweep", action="store_true", help="also time the kernels' block sizes")
     p.add_argument("--smoke", action="store_true", help="CPU, a 1×4×32×32 batch, the plain path only")

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._record import run_info, write_results  # noqa: E402
+from bench._record import add_clip_shape, run_info, write_results  # noqa: E402
 from taehv_slurm.trainer.engine import Microbatch, make_engine  # noqa: E402
 from taehv_slurm.trainer.layers import FAST_PATHS  # noqa: E402
 from taehv_slurm.trainer.losses import DistillModule  # noqa: E402
@@ -187,9 +187,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--engines", default="allreduce",
                    help="with --gpus > 1 or alone: allreduce,zero1,zero2,zero3")
     p.add_argument("--multi-variant", default="compile_cl", help="model variant used in the multi-GPU runs")
-    p.add_argument("--frames", type=int, default=12)
-    p.add_argument("--height", type=int, default=480)
-    p.add_argument("--width", type=int, default=720)
+    add_clip_shape(p)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
