@@ -271,12 +271,15 @@ def watchers_ab(source: str, args: argparse.Namespace, work: Path, prepared: Pat
 
 
 def start_figures(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any]:
-    """Job start (the rank's process) to the first training step, whether the compile cache already held
-    this model's graphs, and the last logged MFU."""
+    """Job start (the rank's process) to the first training step, and to the loop's start before it
+    (imports, rendezvous, build, restore; the rest is the first step with its compilation), and the last
+    logged MFU."""
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     first = [e for e in events if e["event"] == "first_step"]
+    start = next(e for e in events if e["event"] == "start")
     mfus = [r["mfu"] for r in metrics if r.get("mfu") is not None]
-    return {"first_step_s": first[0]["seconds"] if first else None, "mfu": mfus[-1] if mfus else None}
+    return {"first_step_s": first[0]["seconds"] if first else None,
+            "start_up_s": round(start["time"] - start["began"], 2), "mfu": mfus[-1] if mfus else None}
 
 
 def prepare_figures(job_dir: Path) -> dict[str, Any]:
@@ -311,7 +314,7 @@ def print_table(info: dict[str, Any], cpus: int, rows: list[dict[str, Any]]) -> 
                     else " " * 15)
         print(f"{r['source']:>9} {r['grad_accum']:>5} {r['loader_workers']:>7} {r['clips_per_s']:>11.1f} "
               f"{isolated} {100 * r['data_wait']:>8.0f}% {r['peak_gib']:>8.1f}  "
-              f"first step {r['first_step_s']} s")
+              f"first step {r['first_step_s']} s (start-up {r['start_up_s']} s)")
 
 
 def main() -> None:

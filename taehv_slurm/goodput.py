@@ -5,7 +5,8 @@ Per attempt of a job (its first run and each requeue), from the run's own files 
 - allocated node-seconds: sacct's Elapsed × NNodes of that attempt (where the site keeps accounting;
   else the attempt's span in events.jsonl × nodes);
 - time to first step: from the rank's process start (`began` in its `start` event) to its first finished
-  step (`first_step`): start-up, rendezvous, restore, compilation;
+  step (`first_step`), and the part of it before the training loop began (`start_up_s`: imports,
+  rendezvous, building the model, restore); the rest is the first step itself, its compilation included;
 - steps kept: from the step it resumed at to the step the next attempt resumed from (the last one: the
   run's final checkpoint), and productive seconds = steps kept × its seconds per step (metrics.jsonl);
 - work lost: steps trained past the step that was kept (what an interruption threw away), in steps and
@@ -27,8 +28,8 @@ import pandas as pd
 ENDS = ("requeue", "requeue_failed", "finished", "failure", "killed", "hang", "cancelled", "stopped",
         "exited_for_restart")
 COLUMNS = ["attempt", "began", "ended", "end", "nodes", "allocated_node_s", "time_to_first_step_s",
-           "start_step", "kept_until", "steps_kept", "step_s", "productive_node_s", "lost_steps", "lost_s",
-           "save_s", "ettr"]
+           "start_up_s", "start_step", "kept_until", "steps_kept", "step_s", "productive_node_s",
+           "lost_steps", "lost_s", "save_s", "ettr"]
 
 
 def goodput_frame(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]], nodes: int,
@@ -79,6 +80,7 @@ def _attempt_row(start: Mapping[str, Any], later: Mapping[str, Any] | None,
             "ended": pd.Timestamp(ended, unit="s", tz="UTC"), "end": end, "nodes": nodes,
             "allocated_node_s": round(node_s, 1),
             "time_to_first_step_s": round(first[0]["seconds"], 1) if first else None,
+            "start_up_s": round(start["time"] - began, 1),
             "start_step": start["step"], "kept_until": kept_until, "steps_kept": steps_kept, "step_s": step_s,
             "productive_node_s": None if productive is None else round(productive, 1), "lost_steps": lost,
             "lost_s": None if step_s is None else round(lost * step_s, 1),
@@ -105,16 +107,17 @@ def _allocated_by_attempt(accounting: pd.DataFrame | None) -> dict[int, float]:
 
 
 def summary(frame: pd.DataFrame) -> str:
-    """'goodput: ETTR 93 % of 0.012 node-h; first step after 8 s; 1 interruption(s) lost 3 step(s) (1 s);
-    saves 0.4 s' — the closing line of a run."""
+    """'goodput: ETTR 93 % of 0.012 node-h; first step after 8 s (start-up 3 s); 1 interruption(s) lost
+    3 step(s) (1 s); saves 0.4 s' — the closing line of a run."""
     if frame.empty:
         return "goodput: no attempt has started yet"
     ettr, hours = frame.attrs.get("ettr"), frame.attrs["allocated_node_s"] / 3600
     parts = [f"goodput: ETTR {100 * ettr:.0f} % of {hours:.3g} node-h" if ettr is not None
              else f"goodput: {hours:.3g} node-h allocated (ETTR unknown: too few log lines)"]
-    first = frame["time_to_first_step_s"].dropna()
+    first = frame.dropna(subset=["time_to_first_step_s"])
     if not first.empty:
-        parts.append(f"first step after {first.iloc[0]:.0f} s")
+        parts.append(f"first step after {first['time_to_first_step_s'].iloc[0]:.0f} s "
+                     f"(start-up {first['start_up_s'].iloc[0]:.0f} s)")
     if len(frame) > 1:
         parts.append(f"{len(frame) - 1} interruption(s) lost {int(frame['lost_steps'].sum())} step(s) "
                      f"({frame.attrs['lost_s']:.0f} s)")

@@ -101,6 +101,8 @@ def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
     assert goodput.attrs["allocated_node_s"] == pytest.approx(sacct_node_s, rel=0.01)
     assert int(goodput["steps_kept"].sum()) == 45 and list(goodput["lost_steps"]) == [0, 0, 0, 0]
     assert goodput["time_to_first_step_s"].notna().all() and (goodput["save_s"] > 0).all()
+    start_up = goodput["start_up_s"]
+    assert (start_up > 0).all() and (start_up < goodput["time_to_first_step_s"]).all()
     assert 0 < goodput.attrs["ettr"] < 1
 
 

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accounting", action="store_true",
                    help="Slurm's accounting (sacct) of the runs, one row per attempt")
     p.add_argument("--goodput", action="store_true",
-                   help="each attempt's goodput: allocated, time to first step, kept, lost, saves, ETTR")
+                   help="each attempt's goodput: allocated, time to first step (and its start-up), kept, "
+                        "lost, saves, ETTR")
     p.add_argument("--format", choices=["table", "csv", "json"], default="table",
                    help="output format (default table)")
     add_job_dir(p)
