@@ -32,6 +32,13 @@ def add_clip_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=data.width)
 
 
+def add_cudnn_benchmark(parser: argparse.ArgumentParser) -> None:
+    """--cudnn-benchmark (the trainer's setting, configure_backends) or --no-cudnn-benchmark (its heuristics:
+    no timing of algorithms at each new shape, so a faster first step, perhaps a slower one after)."""
+    parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
+                        help="cuDNN times its algorithms at each new shape (the trainer's setting)")
+
+
 def run_info(on_gpu: bool, **extra: Any) -> dict[str, Any]:
     """The machine, versions and date of this run; `extra` adds the benchmark's own settings."""
     return {

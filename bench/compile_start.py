@@ -35,6 +35,7 @@ def one_start(args: argparse.Namespace) -> dict:
     import torch
     from torch._dynamo.utils import counters
 
+    from taehv_slurm.trainer.build import configure_backends
     from taehv_slurm.trainer.engine import Microbatch, make_engine
     from taehv_slurm.trainer.losses import DistillModule
     from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
@@ -52,7 +53,9 @@ def one_start(args: argparse.Namespace) -> dict:
     student = TAEHV(TAEHVConfig()).to(device)
     if cuda:
         student.to(memory_format=torch.channels_last)
-        torch.backends.cudnn.benchmark = True
+        configure_backends(device)  # as a rank does
+        if not args.cudnn_benchmark:
+            torch.backends.cudnn.benchmark = False
     engine = make_engine("allreduce", DistillModule(student), device, precision="bf16" if cuda else "fp32",
                          grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01, compile=True,
                          compile_mode=args.mode, per_gpu_batch=args.batch, grad_accum=1, time_compute=False)
@@ -80,7 +83,7 @@ def one_start(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    from bench._record import add_clip_shape, run_info, write_results
+    from bench._record import add_clip_shape, add_cudnn_benchmark, run_info, write_results
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_clip_shape(parser)
@@ -91,6 +94,7 @@ def main() -> None:
     parser.add_argument("--ab", action="store_true", help="also the code before (its own cache folder)")
     parser.add_argument("--cache", help=argparse.SUPPRESS)  # a child's cache folder
     parser.add_argument("--before", action="store_true", help=argparse.SUPPRESS)
+    add_cudnn_benchmark(parser)
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.cache:
@@ -100,7 +104,8 @@ def main() -> None:
     import torch
 
     shape = ["--frames", str(args.frames), "--height", str(args.height), "--width", str(args.width),
-             "--batch", str(args.batch), "--mode", args.mode]
+             "--batch", str(args.batch), "--mode", args.mode,
+             "--cudnn-benchmark" if args.cudnn_benchmark else "--no-cudnn-benchmark"]
     rows = []
     for variant in ("shipped", "before") if args.ab else ("shipped",):
         with tempfile.TemporaryDirectory() as cache:
@@ -115,7 +120,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     info = run_info(torch.cuda.is_available(), frames=args.frames, height=args.height, width=args.width,
-                    batch=args.batch, compile_mode=args.mode)
+                    batch=args.batch, compile_mode=args.mode, cudnn_benchmark=args.cudnn_benchmark)
     write_results(args.out, "compile_start.json", {"info": info, "rows": rows})
 
 

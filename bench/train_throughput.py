@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._record import add_clip_shape, run_info, write_results  # noqa: E402
+from bench._record import add_clip_shape, add_cudnn_benchmark, run_info, write_results  # noqa: E402
 from taehv_slurm.trainer.engine import Microbatch, make_engine  # noqa: E402
 from taehv_slurm.trainer.layers import FAST_PATHS  # noqa: E402
 from taehv_slurm.trainer.losses import DistillModule  # noqa: E402
@@ -163,7 +163,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str)
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = args.cudnn_benchmark
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     rows = []
     for engine_kind in args.engines.split(","):
@@ -188,6 +188,7 @@ def parse_args() -> argparse.Namespace:
                    help="with --gpus > 1 or alone: allreduce,zero1,zero2,zero3")
     p.add_argument("--multi-variant", default="compile_cl", help="model variant used in the multi-GPU runs")
     add_clip_shape(p)
+    add_cudnn_benchmark(p)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
@@ -262,11 +263,12 @@ def main() -> None:
     on_gpu = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if on_gpu:
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = args.cudnn_benchmark
     flops = train_flops_per_clip(TAEHVConfig(), args.frames, args.height, args.width)
     peak = bf16_peak_tflops(device) if on_gpu else float("nan")
     info = run_info(on_gpu, clip=[args.frames, args.height, args.width], train_tflop_per_clip=flops / 1e12,
-                    bf16_matmul_tflops=peak, fast_paths=dict(FAST_PATHS))
+                    bf16_matmul_tflops=peak, fast_paths=dict(FAST_PATHS),
+                    cudnn_benchmark=args.cudnn_benchmark)
     print(json.dumps(info), flush=True)
     rows = measure_one_gpu(args, device, on_gpu) if args.gpus == 1 else measure_many_gpus(args)
     if args.profile and on_gpu:
