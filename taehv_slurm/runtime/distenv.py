@@ -14,7 +14,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from taehv_slurm.messages import first_line
 
@@ -293,25 +293,7 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
         backend = "nccl" if use_cuda else "gloo"
     if dist.is_initialized():
         return backend
-    if env.world_size == 1:
-        store: dist.Store = dist.HashStore()
-    else:
-        try:
-            store = dist.TCPStore(
-                env.master_addr,
-                env.master_port,
-                world_size=env.world_size,
-                is_master=env.rank == 0,
-                timeout=datetime.timedelta(seconds=rendezvous_timeout_s),
-                wait_for_workers=True,
-            )
-        except (RuntimeError, OSError) as err:  # DistStoreError/DistNetworkError subclass RuntimeError
-            raise DistributedSetupError(
-                f"rank {env.rank}: rendezvous with {env.master_addr}:{env.master_port} failed after "
-                f"≤{rendezvous_timeout_s:.0f} s ({first_line(err)}); "
-                "check that MASTER_ADDR is node 0's reachable "
-                "address and the port is open, or raise rendezvous_timeout_s"
-            ) from None
+    store = rendezvous_store(env, rendezvous_timeout_s)
     kwargs = {}
     if use_cuda and backend == "nccl" and env.world_size > 1:
         # Connect NCCL now, so a rank that cannot fails here rather than at its first step. Not for one rank:
@@ -327,6 +309,33 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
         **kwargs,
     )
     return backend
+
+
+def rendezvous_store(env: DistEnv, timeout_s: float) -> Any:
+    """The store the ranks meet at: node 0's TCPStore (waiting ≤ `timeout_s` for every rank), or an
+    in-process one for a single rank. An unreachable master is one line, not a hang."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if env.world_size == 1:
+        return dist.HashStore()
+    try:
+        return dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            world_size=env.world_size,
+            is_master=env.rank == 0,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=True,
+        )
+    except (RuntimeError, OSError) as err:  # DistStoreError/DistNetworkError subclass RuntimeError
+        raise DistributedSetupError(
+            f"rank {env.rank}: rendezvous with {env.master_addr}:{env.master_port} failed after "
+            f"≤{timeout_s:.0f} s ({first_line(err)}); "
+            "check that MASTER_ADDR is node 0's reachable "
+            "address and the port is open, or raise rendezvous_timeout_s"
+        ) from None
 
 
 def check_device_ordinal(env: DistEnv, device_count: int) -> None:
