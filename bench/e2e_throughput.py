@@ -276,10 +276,11 @@ def start_figures(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any
     logged MFU."""
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     first = [e for e in events if e["event"] == "first_step"]
-    start = next(e for e in events if e["event"] == "start")
+    start = [e for e in events if e["event"] == "start"]
     mfus = [r["mfu"] for r in metrics if r.get("mfu") is not None]
     return {"first_step_s": first[0]["seconds"] if first else None,
-            "start_up_s": round(start["time"] - start["began"], 2), "mfu": mfus[-1] if mfus else None}
+            "start_up_s": round(start[0]["time"] - start[0]["began"], 2) if start else None,
+            "mfu": mfus[-1] if mfus else None}
 
 
 def prepare_figures(job_dir: Path) -> dict[str, Any]:
