@@ -21,6 +21,7 @@ import submitit
 from taehv_slurm.backends import backend_named
 from taehv_slurm.config import ClusterConfig, gpus_here
 from taehv_slurm.runtime import controller
+from taehv_slurm.runtime.bytecode import COMPILE_CACHE_ENV
 from taehv_slurm.runtime.distenv import INHERITED_LAUNCHER_VARS
 from taehv_slurm.slurm import NO_SLURM_HINT, SCONTROL_ENV, says_no_slurm
 from taehv_slurm.submitit_api import convert_mem, make_sbatch_string
@@ -107,7 +108,8 @@ class SlurmExecutor(submitit.SlurmExecutor):
 
 def setup_lines(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = None) -> list[str]:
     """Shell lines run before the tasks start: the job's env (never a secret), then the user's setup."""
-    env = {**(extra_env or {}), **cluster.public_env()}  # the user's env wins over the plan's
+    env = {**(extra_env or {}), COMPILE_CACHE_ENV: str(cluster.runtime().compile_cache_dir),
+           **cluster.public_env()}  # the user's env wins over the plan's
     if cluster.group:
         env["TAEHV_SHARED_GROUP"] = cluster.group
     # A job submitted from inside a launched process (a notebook under torchrun) must not inherit its rank.

@@ -148,6 +148,7 @@ def test_every_cluster_field_reaches_the_script_or_the_job(tmp_path: Path) -> No
         assert f"#SBATCH {flag}" in script, flag
     assert "module load cuda/12.4" in script
     assert "export NCCL_SOCKET_IFNAME=ib0" in script
+    assert f"export TAEHV_COMPILE_CACHE={cfg.runtime().compile_cache_dir}" in script  # Python's bytecode too
     assert "--cpu-bind=none" in script and "-m taehv_slurm.runtime.entry" in script
     assert "hf_supersecret" not in script and "HF_TOKEN" not in script
     # The fields that shape the job at run time travel with the task.

@@ -37,6 +37,7 @@ from taehv_slurm.config import (
     split_overrides,
 )
 from taehv_slurm.messages import command, first_line
+from taehv_slurm.runtime.bytecode import keep_bytecode
 from taehv_slurm.runtime.distenv import LAUNCHER_MARK, DistEnv, DistributedSetupError
 from taehv_slurm.runtime.node_launcher import (
     choose_ranks,
@@ -149,6 +150,7 @@ def run_rank(args: argparse.Namespace) -> int:
     base, train = read_configs(args)
     cluster = for_node(base, env.local_world_size, "auto", args.cluster)
     run_dir = make_private_dir(run_dir_of(args, cluster, train), cluster.group)
+    keep_bytecode(cluster.runtime().compile_cache_dir)  # before the task imports torch
     if args.task == "smoke":
         from taehv_slurm.runtime.smoke import SmokeTask
 
