@@ -7,7 +7,12 @@ Marked `gpu`: skipped where no CUDA device exists (CI is CPU-only); run on a GPU
 under every `engine.compile_mode`, with validation and checkpoints in between:
 - every run completes (exit 0, COMPLETED) and its loss falls;
 - CUDA graphs (`reduce-overhead`) give the losses of `default`: the same kernels replayed, so the same
-  numbers up to bf16 rounding and cuDNN's algorithm choice per process (rel 2e-2 over 12 steps);
+  numbers up to bf16 rounding and cuDNN's algorithm choice per process. That holds closely for the first
+  two steps (the same weights and data, then one update: a replay of stale inputs, outputs or gradients
+  shows there; ≤ 0.17 % apart in the 12 pairs of runs measured on an H200). From the third step on, two
+  runs of the SAME mode drift apart too: lr 1e-3 makes the loss spike at step 2, which amplifies rounding
+  (1.0-1.6 % by step 12 between runs of one mode, 0.7-4.3 % between the modes; docs/benchmarks.md). There
+  only a gross difference is an error;
 - a cancel mid-run (SIGTERM, as a preemption) saves the step and the same --name resumes from it;
 - ZeRO-2 (compiled) and ZeRO-3 (uncompiled) train it too;
 - the logged clips/s is the wall clock's, also with the slow-rank timing off (its sync once hid that
@@ -38,7 +43,8 @@ SMALL = {"data.source": "synthetic", "data.height": 128, "data.width": 192, "dat
          "data.val_clips": 4, "teacher.kind": "none", "steps": 12, "optim.warmup_steps": 2, "optim.lr": 1e-3,
          "intervals.log_every": 1, "intervals.val_every": 5, "intervals.ckpt_every": 4,
          "batch.per_gpu": PER_GPU}
-SAME_LOSS_REL = 2e-2
+SAME_FIRST_LOSSES_REL = 1e-2  # steps 1 and 2: measured ≤ 1.7e-3 between any two runs
+DRIFTED_LOSS_REL = 1e-1  # from step 3: measured ≤ 4.3 % (see the module's docstring)
 
 
 def cluster_file(folder: Path) -> Path:
@@ -94,7 +100,8 @@ def test_cuda_graphs_give_the_losses_of_default(runs) -> None:
     for accum in ACCUMULATIONS:
         reference = [r["loss"] for r in runs[("default", accum)][1]]
         graphs = [r["loss"] for r in runs[("reduce-overhead", accum)][1]]
-        assert graphs == pytest.approx(reference, rel=SAME_LOSS_REL), accum
+        assert graphs[:2] == pytest.approx(reference[:2], rel=SAME_FIRST_LOSSES_REL), accum
+        assert graphs[2:] == pytest.approx(reference[2:], rel=DRIFTED_LOSS_REL), accum
 
 
 @pytest.mark.parametrize("engine", ["zero2", "zero3"])
