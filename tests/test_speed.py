@@ -117,7 +117,9 @@ def test_bytecode_is_kept_in_the_compile_cache_where_the_environment_turns_it_of
         done = subprocess.run([sys.executable, "-c", BYTECODE_PROBE, str(cache)], capture_output=True,
                               text=True, cwd=tmp_path, env=environ, timeout=60)
         assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        got = json.loads(done.stdout.strip().splitlines()[-1])
+        assert (f"keeping it in {got}" in done.stdout) == (got is not None)  # the rank's log says so
+        return got
 
     kept = cache / "python-bytecode"
     assert rank(PYTHONDONTWRITEBYTECODE="1") == str(kept)

@@ -23,8 +23,9 @@ SUBFOLDER = "python-bytecode"
 def keep_bytecode(compile_cache: str | os.PathLike | None, package: str = "torch") -> Path | None:
     """Before `package` is imported: when Python may not write bytecode, none is set to be kept elsewhere
     and `package` has none, write and read this process's bytecode under `compile_cache/python-bytecode/`,
-    and so do its children (data-loader and compile workers). Returns that folder, or None (nothing
-    changed). A folder that cannot be written costs nothing: Python then only compiles, as before."""
+    and so do its children (data-loader and compile workers); the rank's log says so. Returns that folder,
+    or None (nothing changed). A folder that cannot be written costs nothing: Python only compiles, as
+    before."""
     if not compile_cache or not sys.dont_write_bytecode or sys.pycache_prefix is not None:
         return None
     spec = importlib.util.find_spec(package)
@@ -35,4 +36,6 @@ def keep_bytecode(compile_cache: str | os.PathLike | None, package: str = "torch
     # The children's: they write under the prefix too, never beside the sources (what the variable was for).
     os.environ["PYTHONPYCACHEPREFIX"] = str(folder)
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    print(f"[taehv] PYTHONDONTWRITEBYTECODE is set and {package} has no bytecode: keeping it in {folder}",
+          flush=True)
     return folder

@@ -44,10 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m taehv_slurm.runtime.entry [--after STATUS] SUBMITIT_FOLDER [RUN_DIR]")
     # Before anything is written (submitit's result pickle, the trainer's files, a requeue's pickle).
     os.umask(umask_for(os.environ.get("TAEHV_SHARED_GROUP") or None))
-    kept = keep_bytecode(os.environ.get(COMPILE_CACHE_ENV))  # before the pickle imports torch
-    if kept is not None:
-        print(f"[taehv] PYTHONDONTWRITEBYTECODE is set and torch has no bytecode: keeping it in {kept}",
-              flush=True)
+    keep_bytecode(os.environ.get(COMPILE_CACHE_ENV))  # before the pickle imports torch
     folder = Path(args[0])
     run_dir = Path(args[1]) if len(args) == 2 else folder
     os.environ["SUBMITIT_FOLDER"] = str(folder)
