@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +42,7 @@ sys.path.insert(0, str(REPO))
 from bench._record import run_info, write_results  # noqa: E402
 from bench.prepare_throughput import write_h264  # noqa: E402
 from taehv_slurm.config import load_train  # noqa: E402
+from taehv_slurm.goodput import goodput_frame  # noqa: E402
 from taehv_slurm.plan import plan_for  # noqa: E402
 from taehv_slurm.trainer.data import ClipSpec, SyntheticClips  # noqa: E402
 
@@ -272,14 +274,17 @@ def watchers_ab(source: str, args: argparse.Namespace, work: Path, prepared: Pat
 
 def start_figures(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """Job start (the rank's process) to the first training step, and to the loop's start before it
-    (imports, rendezvous, build, restore; the rest is the first step with its compilation), and the last
-    logged MFU."""
+    (imports, rendezvous, build, restore; the rest is the first step with its compilation), as the run's
+    goodput table (`jobs.status --goodput`) gives them for its first attempt; and the last logged MFU."""
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    first = [e for e in events if e["event"] == "first_step"]
-    start = [e for e in events if e["event"] == "start"]
+    attempts = goodput_frame(events, [r for r in metrics if "loss" in r], nodes=1, final_step=None)
+    first = attempts.head(1).to_dict("records")[0] if len(attempts) else {}
+
+    def known(column: str) -> float | None:  # a run that failed before its start (or first step) has none
+        return None if pd.isna(first.get(column)) else float(first[column])
+
     mfus = [r["mfu"] for r in metrics if r.get("mfu") is not None]
-    return {"first_step_s": first[0]["seconds"] if first else None,
-            "start_up_s": round(start[0]["time"] - start[0]["began"], 2) if start else None,
+    return {"first_step_s": known("time_to_first_step_s"), "start_up_s": known("start_up_s"),
             "mfu": mfus[-1] if mfus else None}
 
 
