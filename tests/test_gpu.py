@@ -2,17 +2,16 @@
 (`python -m jobs.submit --local`).
 
 Marked `gpu`: skipped where no CUDA device exists (CI is CPU-only); run on a GPU machine with
-`python -m pytest -m gpu -n 0 -q`. configs/train/taehv.yaml as shipped, made small (128×192 synthetic clips,
-12 steps, lr warmup of 2 steps so the loss visibly falls), run with 1, 2, 4 and 32 micro-batches per step
-under every `engine.compile_mode`, with validation and checkpoints in between:
+`python -m pytest -m gpu -n 0 -q`. configs/train/taehv.yaml as shipped, made small (128×192 synthetic
+clips, 12 steps, lr 2e-4 after 4 warmup steps; the loss falls 3.4-5.8×), run with 1, 2, 4 and 32
+micro-batches per step under every `engine.compile_mode`, with validation and checkpoints in between:
 - every run completes (exit 0, COMPLETED) and its loss falls;
-- CUDA graphs (`reduce-overhead`) give the losses of `default`: the same kernels replayed, so the same
-  numbers up to bf16 rounding and cuDNN's algorithm choice per process. That holds closely for the first
-  two steps (the same weights and data, then one update: a replay of stale inputs, outputs or gradients
-  shows there; ≤ 0.17 % apart in the 12 pairs of runs measured on an H200). From the third step on, two
-  runs of the SAME mode drift apart too: lr 1e-3 makes the loss spike at step 2, which amplifies rounding
-  (1.0-1.6 % by step 12 between runs of one mode, 0.7-4.3 % between the modes; docs/benchmarks.md). There
-  only a gross difference is an error;
+- CUDA graphs (`reduce-overhead`) give the losses of `default`, step by step: the same kernels replayed, so
+  the same numbers up to bf16 rounding and cuDNN's algorithm choice per process (a replay of stale inputs,
+  outputs or gradients shows at once). The config is calm (lr 2e-4 after 4 warmup steps) so that rounding
+  is not amplified: measured on an H100 at 32 micro-batches, two runs of one mode ≤ 0.12 % apart at every
+  step, the two modes ≤ 0.21 % (≤ 0.14 % in the test's own runs). With lr 1e-3 the loss spiked at step 2
+  and runs of ONE mode drifted 1.0-1.6 % apart by step 12 (docs/benchmarks.md);
 - a cancel mid-run (SIGTERM, as a preemption) saves the step and the same --name resumes from it;
 - ZeRO-2 (compiled) and ZeRO-3 (uncompiled) train it too;
 - the logged clips/s is the wall clock's, also with the slow-rank timing off (its sync once hid that
@@ -40,11 +39,10 @@ MODES = ["default", "reduce-overhead"]
 ACCUMULATIONS = [1, 2, 4, 32]
 PER_GPU = 2
 SMALL = {"data.source": "synthetic", "data.height": 128, "data.width": 192, "data.num_clips": 512,
-         "data.val_clips": 4, "teacher.kind": "none", "steps": 12, "optim.warmup_steps": 2, "optim.lr": 1e-3,
+         "data.val_clips": 4, "teacher.kind": "none", "steps": 12, "optim.warmup_steps": 4, "optim.lr": 2e-4,
          "intervals.log_every": 1, "intervals.val_every": 5, "intervals.ckpt_every": 4,
          "batch.per_gpu": PER_GPU}
-SAME_FIRST_LOSSES_REL = 1e-2  # steps 1 and 2: measured ≤ 1.7e-3 between any two runs
-DRIFTED_LOSS_REL = 1e-1  # from step 3: measured ≤ 4.3 % (see the module's docstring)
+SAME_LOSS_REL = 1e-2  # every step: measured ≤ 2.1e-3 between the modes (see the module's docstring)
 
 
 def cluster_file(folder: Path) -> Path:
@@ -100,8 +98,7 @@ def test_cuda_graphs_give_the_losses_of_default(runs) -> None:
     for accum in ACCUMULATIONS:
         reference = [r["loss"] for r in runs[("default", accum)][1]]
         graphs = [r["loss"] for r in runs[("reduce-overhead", accum)][1]]
-        assert graphs[:2] == pytest.approx(reference[:2], rel=SAME_FIRST_LOSSES_REL), accum
-        assert graphs[2:] == pytest.approx(reference[2:], rel=DRIFTED_LOSS_REL), accum
+        assert graphs == pytest.approx(reference, rel=SAME_LOSS_REL), accum
 
 
 @pytest.mark.parametrize("engine", ["zero2", "zero3"])

@@ -1,6 +1,6 @@
 """The preparation job: decode every video window, encode it with the teacher, store both in shards.
 
-The teacher's encode costs ~4× the student's training step per clip (12.0–12.3 vs ~50 clips/s on an H100,
+The teacher's encode costs ~4.5× the student's training step per clip (11.8–12.3 vs ~55 clips/s on an H100,
 docs/benchmarks.md), so it runs once per window, ahead of training, on every GPU of a job; the
 trainer then reads frames and latents together (`taehv_slurm.trainer.prepared.PreparedClips`,
 `data.source: prepared`). The folder's window list is `taehv_slurm.trainer.manifest`, its shard files
