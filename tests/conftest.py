@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import fcntl
+import os
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from tests.slurm_testbed import REPO, Testbed, TestbedError
+
+# Three xdist workers share CI's two cores: one intra-op thread in each test process and in each process it
+# starts (torch otherwise starts one per core, and they only contend here). Set before anything imports torch.
+# Measured: the model, engine and bench-smoke tests took 15 % less CPU (docs/benchmarks.md, the suite).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TESTBED = Testbed(REPO / ".testbed", nodes=3)  # 3: a job of 2 nodes can be requeued without a failed one
 # Under pytest-xdist the workers share one testbed: the first to need it starts it (the others wait on this
