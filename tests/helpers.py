@@ -30,6 +30,22 @@ LOCAL_TASK_ENV = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "4242",
                   "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0",
                   "SUBMITIT_LOCAL_GLOBALID": "0",
                   "SUBMITIT_LOCAL_LOCALID": "0"}
+TRITON_INTERPRETER = REPO / ".triton-interpreter"  # scripts/setup.sh installs Triton here
+
+
+def run_interpreted(check: str, done_line: str) -> None:
+    """Run ``check`` (Python) in a process where Triton's kernels run on CPU (TRITON_INTERPRET=1), with the
+    interpreter kept outside the suite's packages (a CPU machine has no Triton, and importing it would slow
+    every process); assert that it printed ``done_line``."""
+    import pytest
+
+    if not (TRITON_INTERPRETER / "triton").is_dir():
+        pytest.fail(f"Triton's interpreter is not installed in {TRITON_INTERPRETER}: run scripts/setup.sh")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(TRITON_INTERPRETER)]))
+    done = subprocess.run([sys.executable, "-c", check], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done_line in done.stdout, done.stderr[-3000:]
 
 
 def documented(key: str, tmp: Path | None = None) -> str:

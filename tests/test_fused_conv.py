@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from taehv_slurm.trainer.layers import FAST_PATHS, conv3x3_relu
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training
+from tests.helpers import run_interpreted
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -47,6 +48,43 @@ def test_the_backward_is_the_forwards_gradient_and_flops_are_the_convs(with_resi
 
 
 CL = torch.channels_last
+
+
+def check_interpreted() -> None:
+    """Run with TRITON_INTERPRET=1: the backward's ReLU + bias-gradient kernel against threshold_backward
+    and a sum, float32 on CPU, with tiles small enough that there are many and the last is partial, exact
+    zeros and a NaN in the ReLU's output; then `conv3x3_relu`'s gradients with the kernel (forced: the model
+    picks it only on a GPU) against without it."""
+    from unittest import mock
+
+    from taehv_slurm.trainer import layers
+    from taehv_slurm.trainer import relu_grad_kernel as kernel
+
+    kernel.TILE = 64
+    torch.manual_seed(0)
+    for c in (16, 64):
+        out = F.relu(torch.randn(2, c, 7, 9)).contiguous(memory_format=CL)
+        out[0, :, 0, 0] = float("nan")  # threshold_backward passes the gradient where out is NaN
+        grad = torch.randn_like(out)
+        masked, bias_grad = kernel.relu_bias_grad(grad, out)
+        ref = torch.ops.aten.threshold_backward(grad, out, 0)
+        assert masked.is_contiguous(memory_format=CL) and torch.equal(masked, ref)
+        torch.testing.assert_close(bias_grad, ref.sum((0, 2, 3)))
+    x, w = torch.randn(2, 16, 7, 9).contiguous(memory_format=CL), torch.randn(32, 16, 3, 3) / 12
+    b, z = torch.randn(32) / 10, torch.randn(2, 32, 7, 9).contiguous(memory_format=CL)
+    leaves = [t.requires_grad_() for t in (x, w.contiguous(memory_format=CL), b, z)]
+    grad_out, grads = torch.randn(2, 32, 7, 9).contiguous(memory_format=CL), []
+    for on in (True, False):
+        with mock.patch.object(layers, "_triton_relu_grad_runs", lambda grad, out, on=on: on):
+            grads.append(torch.autograd.grad(conv3x3_relu(*leaves), leaves, grad_out))
+    for name, a, r in zip("xwbz", *grads):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    print("interpreted kernel matches")
+
+
+def test_the_backward_kernel_computes_the_relu_and_bias_gradients() -> None:
+    run_interpreted("from tests.test_fused_conv import check_interpreted; check_interpreted()",
+                    "interpreted kernel matches")
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -113,3 +151,20 @@ def test_the_fused_model_is_as_accurate_as_the_plain_one(monkeypatch: pytest.Mon
     ref, plain, fused = run(False, torch.float32), run(False, torch.bfloat16), run(True, torch.bfloat16)
     for r, p, f in zip(ref, plain, fused):
         assert rel_err(f, r) <= max(1.5 * rel_err(p, r), 1e-2), (rel_err(f, r), rel_err(p, r))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_training_runs_each_relu_backward_as_the_triton_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model's bf16 channels-last pass runs the ReLU + bias-gradient kernel once for each fused
+    conv (a silent fallback would pass every other test), and with it the latents, frames and every
+    gradient are as close to an fp32 run as without it."""
+    run = tiny_model_passes(monkeypatch, "triton_relu_grad")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ours = run(True, torch.bfloat16)
+        torch.cuda.synchronize()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("_relu_bias_grad", 0) == counts["taehv::conv3x3_relu"] > 0, counts
+    ref, before = run(False, torch.float32), run(False, torch.bfloat16)
+    for o, r, b in zip(ours, ref, before):
+        assert rel_err(o, r) <= max(1.5 * rel_err(b, r), 1e-2), (rel_err(o, r), rel_err(b, r))

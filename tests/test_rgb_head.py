@@ -13,10 +13,6 @@ tests/test_model.py checks against the published formulation. Here:
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,10 +22,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from taehv_slurm.trainer.layers import _unstack_frames
 from taehv_slurm.trainer.rgb_head import relu_conv3x3_frames
-from tests.helpers import REPO
+from tests.helpers import run_interpreted
 from tests.test_fused_conv import rel_err, tiny_model_passes
 
-TRITON_INTERPRETER = REPO / ".triton-interpreter"  # scripts/setup.sh installs Triton here
 CL = torch.channels_last
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -90,14 +85,8 @@ def check_interpreted_model() -> None:
 
 
 def test_the_kernels_compute_the_plain_ops() -> None:
-    if not (TRITON_INTERPRETER / "triton").is_dir():
-        pytest.fail(f"Triton's interpreter is not installed in {TRITON_INTERPRETER}: run scripts/setup.sh")
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(TRITON_INTERPRETER)]))
-    check = "from tests.test_rgb_head import check_interpreted; check_interpreted()"
-    done = subprocess.run([sys.executable, "-c", check], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0 and "interpreted kernels match" in done.stdout, done.stderr[-3000:]
+    run_interpreted("from tests.test_rgb_head import check_interpreted; check_interpreted()",
+                    "interpreted kernels match")
 
 
 def test_the_op_counts_the_convolutions_flops() -> None:

@@ -4,7 +4,8 @@
 of `FAST_PATHS` (each checked against the published block order, outputs and gradients, in
 tests/test_model.py): linear chains folded into one conv, the RGB head on a space-to-depth layout, the
 first stage on frame pairs, each conv + bias (+ residual) + ReLU as one cuDNN kernel on a GPU
-(`conv3x3_relu`: tests/test_fused_conv.py), and the head's ReLU + conv as Triton kernels on a GPU
+(`conv3x3_relu`: tests/test_fused_conv.py) whose backward masks the gradient and sums the bias gradient
+in one Triton kernel (relu_grad_kernel.py), and the head's ReLU + conv as Triton kernels on a GPU
 (rgb_head.py: tests/test_rgb_head.py). docs/benchmarks.md has what each one is worth.
 """
 
@@ -15,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
-from taehv_slurm.trainer.rgb_head import relu_conv3x3_frames, triton_head_runs
+from taehv_slurm.trainer.rgb_head import HAS_TRITON, relu_conv3x3_frames, triton_head_runs
 
 
 def conv3x3(c_in: int, c_out: int, stride: int = 1, bias: bool = True) -> nn.Conv2d:
@@ -162,6 +163,7 @@ FAST_PATHS = {
     "phase_head": True,         # the RGB head on the last stage's phase layout (with fold_linear)
     "fused_conv_relu": True,    # conv3x3 + bias (+ residual) + ReLU as one op: one cuDNN kernel on a GPU
     "triton_head": True,        # ... and its ReLU + head as Triton kernels on the stacked frames (on a GPU)
+    "triton_relu_grad": True,   # ... and its backward's ReLU mask + bias gradient as one Triton kernel (GPU)
 }
 
 
@@ -195,6 +197,27 @@ def _plain_conv3x3_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return F.relu(out if residual is None else out + residual)
 
 
+def _triton_relu_grad_runs(grad: torch.Tensor, out: torch.Tensor) -> bool:
+    c = out.shape[1]
+    return (FAST_PATHS["triton_relu_grad"] and HAS_TRITON and out.is_cuda and c & (c - 1) == 0
+            and _is_channels_last(out) and _is_channels_last(grad))
+
+
+@torch.library.custom_op("taehv::relu_bias_grad", mutates_args=())
+def relu_bias_grad(grad: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReLU's gradient from its output (aten's threshold_backward) and its sum over batch and pixels, the
+    bias gradient of the conv before the ReLU, as one Triton kernel (relu_grad_kernel.py) that reads the
+    gradient once for both. Called where `_triton_relu_grad_runs` (CUDA, channels-last, C a power of 2)."""
+    from taehv_slurm.trainer import relu_grad_kernel
+
+    return relu_grad_kernel.relu_bias_grad(grad, out)
+
+
+@relu_bias_grad.register_fake
+def _(grad: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(out), out.new_empty(out.shape[1])
+
+
 @torch.library.custom_op("taehv::conv3x3_relu", mutates_args=())
 def conv3x3_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                  residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -225,11 +248,15 @@ def _conv3x3_relu_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
 
 def _conv3x3_relu_backward(ctx, grad: torch.Tensor) -> tuple:
     x, weight, out = ctx.saved_tensors
-    grad = torch.ops.aten.threshold_backward(grad, out, 0)  # ReLU's gradient, from its output
-    mask = list(ctx.needs_input_grad[:3])  # x, weight, bias
-    dx, dw, db = torch.ops.aten.convolution_backward(grad, x, weight, [weight.shape[0]], [1, 1], [1, 1],
-                                                     [1, 1], False, [0, 0], 1, mask)
-    return dx, dw, db, grad if ctx.has_residual else None
+    needs_x, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+    if fused := _triton_relu_grad_runs(grad, out):
+        grad, db = relu_bias_grad(grad, out)
+    else:  # compiled: a masking kernel, and the bias gradient as a reduction that reads `grad` again
+        grad = torch.ops.aten.threshold_backward(grad, out, 0)  # ReLU's gradient, from its output
+    dx, dw, db_conv = torch.ops.aten.convolution_backward(
+        grad, x, weight, [weight.shape[0]], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+        [needs_x, needs_weight, needs_bias and not fused])
+    return dx, dw, db if fused else db_conv, grad if ctx.has_residual else None
 
 
 conv3x3_relu.register_autograd(_conv3x3_relu_backward, setup_context=_conv3x3_relu_context)
