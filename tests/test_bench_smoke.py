@@ -65,6 +65,15 @@ def test_rgb_head_throughput_smoke(tmp_path: Path) -> None:
     assert all(row["forward_ms"] > 0 and row["forward_backward_ms"] > 0 for row in result["rows"])
 
 
+def test_relu_grad_throughput_smoke(tmp_path: Path) -> None:
+    _, result = run_smoke("relu_grad_throughput.py", tmp_path / "relu_grad.json")
+    # one row per shape the training pass runs a fused conv on, 56 calls a step as on the GPU
+    assert result["info"]["fused_conv_calls_per_step"] == 56
+    assert sum(row["calls_per_step"] for row in result["rows"]) == 56
+    assert all(row["path"] == "eager" and row["us"] > 0 and row["bias_grad_rel_err"] < 1e-6
+               for row in result["rows"])
+
+
 def test_loader_throughput_smoke(tmp_path: Path) -> None:
     _, result = run_smoke("loader_throughput.py", tmp_path / "loader.json")
     for source in ("video", "prepared", "synthetic"):  # shards written by jobs.prepare from real H.264 files
