@@ -1,4 +1,4 @@
-"""Shared by the Slurm tests: configs for the testbed, waiting, and reading a run's files."""
+"""Shared by the tests: configs for the Slurm testbed, waiting, a run's files, Triton's CPU interpreter."""
 
 from __future__ import annotations
 
