@@ -6,7 +6,9 @@ backward is the gradient of its forward (float64, numerically) and it counts the
 it runs (MFU). On a GPU (marked `gpu`; `python -m pytest -m gpu -n 0 -q`), in bf16 and channels-last as
 training runs: it is ONE kernel (a silent fallback to conv + elementwise kernels once cost 8 clips/s on an
 H200 while every CPU test passed), within bf16 rounding of fp32, and the whole model with it is as accurate
-as without it.
+as without it. Its backward's ReLU mask + bias gradient as one Triton kernel
+(`FAST_PATHS["triton_relu_grad"]`): in Triton's CPU interpreter against the aten ops on any machine; on a
+GPU, that training runs it once per fused conv.
 """
 
 from __future__ import annotations
