@@ -32,6 +32,24 @@ def add_clip_shape(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=data.width)
 
 
+def kernel_bench_args(doc: str, iters: int, what_sweeps: str, smoke_path: str) -> argparse.Namespace:
+    """The command line of a kernel micro-benchmark: a batch of the student's clips (the shipped shape),
+    --iters, --sweep (``what_sweeps``), --out; --smoke shrinks it to one 4×32×32 clip and one iteration on CPU
+    (``smoke_path`` only). ``on_gpu`` is set: a GPU is there and this is not a smoke run."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=4)
+    add_clip_shape(p)
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--sweep", action="store_true", help=f"also time {what_sweeps}")
+    p.add_argument("--smoke", action="store_true", help=f"CPU, a 1×4×32×32 batch, {smoke_path} only")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.smoke:
+        args.batch, args.frames, args.height, args.width, args.iters = 1, 4, 32, 32, 1
+    args.on_gpu = torch.cuda.is_available() and not args.smoke
+    return args
+
+
 def add_cudnn_benchmark(parser: argparse.ArgumentParser) -> None:
     """--cudnn-benchmark (the trainer's setting, configure_backends) or --no-cudnn-benchmark (its heuristics:
     no timing of algorithms at each new shape, so a faster first step, perhaps a slower one after)."""

@@ -14,7 +14,6 @@ by bench/e2e_throughput.py.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -27,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._record import add_clip_shape, run_info, write_results  # noqa: E402
+from bench._record import kernel_bench_args, run_info, write_results  # noqa: E402
 from bench.rgb_head_throughput import ms_per_call  # noqa: E402
 from taehv_slurm.trainer import layers  # noqa: E402
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig  # noqa: E402
@@ -102,17 +101,9 @@ def sweep(shapes: Counter) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=4)
-    add_clip_shape(p)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--sweep", action="store_true", help="also time the kernel's tile and warps")
-    p.add_argument("--smoke", action="store_true", help="CPU, a 1×4×32×32 batch, the eager path only")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    if args.smoke:
-        args.batch, args.frames, args.height, args.width, args.iters = 1, 4, 32, 32, 1
-    on_gpu = torch.cuda.is_available() and not args.smoke
+    args = kernel_bench_args(__doc__, iters=20,
+                             what_sweeps="the kernel's tile and warps", smoke_path="the eager path")
+    on_gpu = args.on_gpu
     shapes = fused_conv_shapes(args.batch, args.frames, args.height, args.width)
     info = run_info(on_gpu, clip=[args.frames, args.height, args.width], batch=args.batch,
                     fused_conv_calls_per_step=sum(shapes.values()))

@@ -12,7 +12,6 @@ A micro-benchmark: what the kernels save in a training step is measured by bench
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -25,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._record import add_clip_shape, run_info, write_results  # noqa: E402
+from bench._record import kernel_bench_args, run_info, write_results  # noqa: E402
 from taehv_slurm.trainer import model as model_module  # noqa: E402
 from taehv_slurm.trainer.layers import _unstack_frames, rgb_conv  # noqa: E402
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig  # noqa: E402
@@ -137,17 +136,9 @@ def sweep_row(kernel: str, fn, **blocks: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=4)
-    add_clip_shape(p)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--sweep", action="store_true", help="also time the kernels' block sizes")
-    p.add_argument("--smoke", action="store_true", help="CPU, a 1×4×32×32 batch, the plain path only")
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    if args.smoke:
-        args.batch, args.frames, args.height, args.width, args.iters = 1, 4, 32, 32, 1
-    on_gpu = torch.cuda.is_available() and not args.smoke
+    args = kernel_bench_args(__doc__, iters=10,
+                             what_sweeps="the kernels' block sizes", smoke_path="the plain path")
+    on_gpu = args.on_gpu
     shape, k, c, cout = head_shapes(args.batch, args.frames, args.height, args.width)
     info = run_info(on_gpu, clip=[args.frames, args.height, args.width], batch=args.batch,
                     stacked_shape=shape, frames_per_image=k)
