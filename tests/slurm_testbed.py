@@ -2,7 +2,10 @@
 
     python -m tests.slurm_testbed start [--dir .testbed] [--nodes 2] [--no-accounting]
     python -m tests.slurm_testbed status|stop [--dir .testbed]
-    export SLURM_CONF=$PWD/.testbed/etc/slurm.conf      # then sinfo, sbatch, sacct, python -m jobs.submit ...
+    . .testbed/env.sh      # SLURM_CONF for the clients; then sinfo, sbatch, sacct, python -m jobs.submit ...
+
+On a machine with GPUs, `--real-gpus` gives each node its share of them (tests/slurm_testbed_gpus.py, which
+also runs Slurm from carried .deb files with `--slurm-debs`).
 
 Each node is its own slurmd in its own UTS namespace (so tasks see hostname tb1, tb2, ...), advertising
 8 GPUs through gres (fake device files: tasks get SLURM_GPUS_ON_NODE=8 but no CUDA_VISIBLE_DEVICES) and
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -29,7 +33,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from taehv_slurm.runtime.distenv import PORT_BASE
@@ -42,7 +46,31 @@ from tests.slurm_testbed_config import (
     slurm_conf,
     write_config_files,
 )
-from tests.testbed_processes import CHILDREN, alive, other_slurm_daemons, read, terminate, uts, wait_until
+from tests.slurm_testbed_gpus import (
+    ensure_munge_user,
+    freezer_mounted,
+    host_gpus,
+    mount_private_freezer,
+    prefix_environ,
+    split_gpus,
+    unmount_private_freezer,
+    unpack_slurm,
+)
+from tests.testbed_processes import (
+    CHILDREN,
+    alive,
+    client_output,
+    environ_with,
+    log_tail,
+    munge_works,
+    other_slurm_daemons,
+    read,
+    succeeds,
+    terminate,
+    uts,
+    wait_until,
+    which,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ROOT = REPO / ".testbed"
@@ -64,12 +92,21 @@ class Testbed:
     __test__ = False  # not a pytest test class, despite its name
 
     def __init__(self, root: Path | str = DEFAULT_ROOT, nodes: int = 2, gpus_per_node: int = 8,
-                 cpus_per_node: int = 16, accounting: bool = True) -> None:
+                 cpus_per_node: int = 16, accounting: bool = True,
+                 gpu_devices: Sequence[str] | None = None) -> None:
+        """gpu_devices: real GPU device files (the host's /dev/nvidiaN), split evenly over the nodes in place
+        of `gpus_per_node` fake ones (tests/slurm_testbed_gpus.py)."""
         if not 1 <= nodes <= PORT_BLOCK - FIRST_NODE_OFFSET or gpus_per_node < 0 or cpus_per_node < 1:
             raise ValueError(f"bad testbed shape: nodes={nodes} gpus_per_node={gpus_per_node} "
                              f"cpus_per_node={cpus_per_node}")
         self.root = Path(root).resolve()
+        # each node's real device files; None: fake ones under <root>/dev
+        self.gpu_shares = split_gpus(gpu_devices, nodes) if gpu_devices is not None else None
+        if self.gpu_shares:
+            gpus_per_node = len(self.gpu_shares[0])
         self.nodes, self.gpus_per_node, self.cpus_per_node = nodes, gpus_per_node, cpus_per_node
+        # Slurm unpacked from Debian's packages (`unpack_slurm`), when it is there; else the system's.
+        self.slurm_prefix = self.root / "slurm" if (self.root / "slurm/usr/sbin").is_dir() else None
         self.accounting = accounting
         self.etc, self.run, self.log = self.root / "etc", self.root / "run", self.root / "log"
         self.base_port = (PORT_BASE - PORT_BLOCK * PORT_BLOCKS
@@ -99,7 +136,17 @@ class Testbed:
     @property
     def env(self) -> dict[str, str]:
         """What a client (sbatch, squeue, sacct, submitit) needs in its environment."""
-        return {"SLURM_CONF": str(self.conf)}
+        found = prefix_environ(self.slurm_prefix, dict(os.environ)) if self.slurm_prefix else {}
+        return {"SLURM_CONF": str(self.conf), **found}
+
+    @property
+    def cgroup_dir(self) -> Path:
+        """Where slurmd's cgroup v1 freezer is mounted when the host has none (cgroup.conf names it)."""
+        return self.root / "cgroup"
+
+    def env_script(self) -> str:
+        """`export` lines that make a shell a client of this testbed (written to <root>/env.sh)."""
+        return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.env.items())
 
     # ------------------------------------------------------------------------------------ start
     def start(self) -> None:
@@ -116,6 +163,10 @@ class Testbed:
         self.stop()
         self._check_ports_free()
         try:
+            if self.slurm_prefix is not None:
+                ensure_munge_user()
+            if self.private_cgroup:
+                mount_private_freezer(self.cgroup_dir)
             write_config_files(self)
             self._start_munge()
             if self.accounting:
@@ -132,7 +183,7 @@ class Testbed:
                  "hostname"]
         if self.accounting:
             tools += ["slurmdbd", "sacctmgr", "mariadbd", "mariadb-install-db", "mysql", "mysqladmin"]
-        missing = [t for t in tools if not _which(t)]
+        missing = [t for t in tools if not which(t, self.env)]
         if missing:
             raise TestbedError(f"Slurm testbed: {', '.join(missing)} not found: {SETUP_HINT}")
         if os.geteuid() != 0:
@@ -141,6 +192,11 @@ class Testbed:
         if len(str(self.root)) > MAX_ROOT_CHARS:
             raise TestbedError(f"Slurm testbed: folder path {self.root} is longer than {MAX_ROOT_CHARS} "
                                "characters, too long for its unix sockets: use a shorter --dir")
+
+    @property
+    def private_cgroup(self) -> bool:
+        """slurmd gets a freezer of its own under `cgroup_dir`: the host mounts none (or it is ours)."""
+        return os.path.ismount(self.cgroup_dir / "freezer") or not freezer_mounted()
 
     def node_port(self, index: int) -> int:
         """The port of the slurmd of node `index` (0 for tb1)."""
@@ -159,14 +215,14 @@ class Testbed:
 
     def is_up(self) -> bool:
         """This root's testbed, with exactly this configuration, runs and answers."""
-        if not self.conf.exists() or self.conf.read_text() != slurm_conf(self) or not _munge_works():
+        if not self.conf.exists() or self.conf.read_text() != slurm_conf(self) or not munge_works(self.env):
             return False
         running = self._recorded_pids()
         if any(name not in running for name in self._daemon_names()):
             return False
-        if "is UP" not in (_run(["scontrol", "ping"], self.env, timeout_s=5) or ""):
+        if "is UP" not in (client_output(["scontrol", "ping"], self.env, timeout_s=5) or ""):
             return False
-        states = (_run(["sinfo", "-h", "-N", "-o", "%N %t"], self.env, timeout_s=5) or "").split()
+        states = (client_output(["sinfo", "-h", "-N", "-o", "%N %t"], self.env, timeout_s=5) or "").split()
         healthy = {"idle", "mix", "alloc", "comp"}
         return sorted(states[::2]) == sorted(self.node_names) and all(s in healthy for s in states[1::2])
 
@@ -180,7 +236,7 @@ class Testbed:
                                        f"stop that Slurm/testbed first")
 
     def _start_munge(self) -> None:
-        if _munge_works():
+        if munge_works(self.env):
             return  # a munged already serves the default socket (the system's): use it, never stop it
         key = Path("/etc/munge/munge.key")
         for folder in ("/etc/munge", "/var/lib/munge", "/var/log/munge", "/run/munge"):
@@ -193,7 +249,7 @@ class Testbed:
         # As the munge user, in the foreground (so its pid is ours to stop and reap); --force: a munged
         # killed earlier may have left its socket behind.
         self._spawn("munged", ["munged", "--foreground", "--force"], user="munge")
-        self._wait(_munge_works, 10, "munged", Path("/var/log/munge/munged.log"), "munged")
+        self._wait(lambda: munge_works(self.env), 10, "munged", Path("/var/log/munge/munged.log"), "munged")
 
     def _start_mariadb(self) -> None:
         """A private MariaDB (own datadir, socket and port under root): no system service is touched."""
@@ -207,10 +263,12 @@ class Testbed:
                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             if done.returncode != 0:
                 raise TestbedError(f"Slurm testbed: mariadb-install-db failed; "
-                                   f"{_tail(self.log / 'mariadb-install.log')}")
+                                   f"{log_tail(self.log / 'mariadb-install.log')}")
             (datadir / ".installed").touch()
         self._spawn("mariadbd", mariadbd_argv(self, datadir, sock))
-        self._wait(lambda: _ok(["mysqladmin", "--no-defaults", f"--socket={sock}", "ping"]), 60, "MariaDB",
+        ping = ["mysqladmin", "--no-defaults", f"--socket={sock}", "ping"]
+        self._wait(lambda: succeeds(ping, self.env), 60,
+                   "MariaDB",
                    self.log / "mariadbd.log", "mariadbd")
         sql = accounting_db_sql((self.etc / "db.password").read_text().strip())
         # The SQL goes through stdin so the password never shows in `ps`.
@@ -223,16 +281,17 @@ class Testbed:
     def _start_slurmdbd(self) -> None:
         self._spawn("slurmdbd", ["slurmdbd", "-D"])
         clusters = ["sacctmgr", "-n", "-P", "list", "cluster", "format=cluster"]
-        self._wait(lambda: _run(clusters, self.env) is not None, 60, "slurmdbd", self.log / "slurmdbd.log",
+        self._wait(lambda: client_output(clusters, self.env) is not None, 60, "slurmdbd",
+                   self.log / "slurmdbd.log",
                    "slurmdbd")
-        if CLUSTER_NAME not in (_run(clusters, self.env, check=True) or "").split():
-            _run(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], self.env, check=True)
+        if CLUSTER_NAME not in (client_output(clusters, self.env, check=True) or "").split():
+            client_output(["sacctmgr", "-i", "add", "cluster", CLUSTER_NAME], self.env, check=True)
 
     def _start_slurmctld(self) -> None:
         # -c: forget the jobs of an earlier run (their nodes are gone) but keep the job id sequence, so ids
         # keep growing across restarts and sacct never mixes two runs' jobs.
         self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
-        self._wait(lambda: "is UP" in (_run(["scontrol", "ping"], self.env) or ""), 30, "slurmctld",
+        self._wait(lambda: "is UP" in (client_output(["scontrol", "ping"], self.env) or ""), 30, "slurmctld",
                    self.log / "slurmctld.log", "slurmctld")
 
     def _start_slurmds(self) -> None:
@@ -248,9 +307,9 @@ class Testbed:
                 if not self._daemonalive(f"slurmd-{name}"):
                     raise TestbedError(
                         f"Slurm testbed: slurmd {name} exited during start-up; "
-                        f"{_tail(self.log / f'slurmd-{name}.log', self.log / f'slurmd-{name}.out')}")
-            states = dict(line.split() for line in (_run(["sinfo", "-h", "-N", "-o", "%N %t"], self.env)
-                                                    or "").splitlines() if len(line.split()) == 2)
+                        f"{log_tail(self.log / f'slurmd-{name}.log', self.log / f'slurmd-{name}.out')}")
+            sinfo = client_output(["sinfo", "-h", "-N", "-o", "%N %t"], self.env)
+            states = dict(line.split() for line in (sinfo or "").splitlines() if len(line.split()) == 2)
             return all(states.get(n) == "idle" for n in names)
 
         self._wait(all_idle, 60, "the nodes (idle)", self.log / "slurmctld.log")
@@ -264,9 +323,9 @@ class Testbed:
         if "slurmctld" in pids:
             # Cancel what still runs, so accounting closes those jobs (CANCELLED) instead of leaving them
             # RUNNING.
-            ids = (_run(["squeue", "-h", "-o", "%A"], self.env) or "").split()
+            ids = (client_output(["squeue", "-h", "-o", "%A"], self.env) or "").split()
             if ids:
-                _run(["scancel", *ids], self.env)
+                client_output(["scancel", *ids], self.env)
         slurmds = [pid for name, pid in pids.items() if name.startswith("slurmd-")]
         namespaces = {uts(pid) for pid in slurmds}
         # Give cancelled tasks a moment to end on SIGTERM; then SIGKILL what is left (submitit's tasks ignore
@@ -286,6 +345,7 @@ class Testbed:
             terminate([pids["munged"]])
         for pid_file in self.run.glob("*.pid"):
             pid_file.unlink(missing_ok=True)
+        unmount_private_freezer(self.cgroup_dir)
 
     def _recorded_pids(self) -> dict[str, int]:
         """name -> pid of the daemons whose pid file is here and which are still alive and ours."""
@@ -341,7 +401,7 @@ class Testbed:
     # ---------------------------------------------------------------------------------- helpers
     def _spawn(self, name: str, argv: list[str], user: str | None = None) -> None:
         with open(self.log / f"{name}.out", "ab") as out:
-            proc = subprocess.Popen(argv, env=_environ(self.env), stdin=subprocess.DEVNULL, stdout=out,
+            proc = subprocess.Popen(argv, env=environ_with(self.env), stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT,
                                     start_new_session=True,  # no Ctrl-C from our terminal
                                     user=user, group=user, extra_groups=[] if user else None)
@@ -357,63 +417,18 @@ class Testbed:
                 return
             if daemon and not self._daemonalive(daemon):
                 raise TestbedError(f"Slurm testbed: {what} exited during start-up; "
-                                   f"{_tail(log, self.log / f'{daemon}.out')}")
+                                   f"{log_tail(log, self.log / f'{daemon}.out')}")
             if time.monotonic() > deadline:
-                raise TestbedError(f"Slurm testbed: {what} not ready after {timeout_s:.0f} s; {_tail(log)}")
+                raise TestbedError(f"Slurm testbed: {what} not ready after {timeout_s:.0f} s; "
+                                   f"{log_tail(log)}")
             time.sleep(0.1)
 
     def status(self) -> str:
         lines = [f"{name}: pid {pid}" for name, pid in sorted(self._recorded_pids().items())]
         if not lines:
             return f"no testbed daemon running under {self.root}"
-        lines.append(_run(["sinfo", "-N", "-o", "%N %P %t %c %G"], self.env) or "sinfo failed")
+        lines.append(client_output(["sinfo", "-N", "-o", "%N %P %t %c %G"], self.env) or "sinfo failed")
         return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------- module helpers
-def _which(tool: str) -> str | None:
-    return shutil.which(tool, path=_environ({})["PATH"])
-
-
-def _environ(extra: Mapping[str, str]) -> dict[str, str]:
-    """Our environment plus `extra`, with /usr/sbin on PATH: Debian puts the daemons there, and not every
-    PATH has it (a non-login shell, CI)."""
-    path = os.environ.get("PATH", "/usr/bin:/bin")
-    missing = [d for d in ("/usr/sbin", "/sbin") if d not in path.split(":")]
-    return {**os.environ, **extra, "PATH": ":".join([path, *missing])}
-
-
-def _run(argv: list[str], env: Mapping[str, str], check: bool = False, timeout_s: float = 20) -> str | None:
-    """stdout of a short client command, or None if it failed (raises instead when check)."""
-    try:
-        done = subprocess.run(argv, env=_environ(env), capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        if check:
-            raise TestbedError(f"Slurm testbed: `{' '.join(argv)}` hung for {timeout_s:.0f} s") from None
-        return None
-    if done.returncode != 0:
-        if check:
-            raise TestbedError(f"Slurm testbed: `{' '.join(argv)}` failed: "
-                               f"{(done.stderr or done.stdout).strip()}")
-        return None
-    return done.stdout
-
-
-def _ok(argv: list[str]) -> bool:
-    return subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
-
-
-def _munge_works() -> bool:
-    return _ok(["munge", "-n"])
-
-
-def _tail(*logs: Path, lines: int = 15) -> str:
-    """The last lines of the first of `logs` that has any (a daemon's log file, else its stdout)."""
-    for log in logs:
-        text = read(str(log)).rstrip()
-        if text:
-            return f"last lines of {log}:\n" + "\n".join(text.splitlines()[-lines:])
-    return f"nothing logged in {', '.join(map(str, logs))}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,16 +439,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=DEFAULT_ROOT,
                         help="state folder (default: <repo>/.testbed)")
     parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--cpus-per-node", type=int, default=None,
+                        help="CPUs each node declares (default 16; with --real-gpus this host's cores over "
+                             "the nodes)")
     parser.add_argument("--no-accounting", action="store_true",
                         help="no slurmdbd/MariaDB (sacct will not work)")
+    parser.add_argument("--real-gpus", action="store_true",
+                        help="give the nodes this host's GPUs (/dev/nvidiaN), split evenly, instead of 8 "
+                             "fake ones each")
+    parser.add_argument("--slurm-debs", type=Path, default=None,
+                        help="a folder of Debian 12's Slurm and munge .deb files to run from (unpacked "
+                             "under --dir), where Slurm is not installed")
     args = parser.parse_args(argv)
-    bed = Testbed(args.dir, nodes=args.nodes, accounting=not args.no_accounting)
     try:
+        if args.action == "start" and args.slurm_debs is not None:
+            unpack_slurm(args.slurm_debs, args.dir.resolve() / "slurm")
+        devices = host_gpus() if args.real_gpus else None
+        if args.real_gpus and not devices:
+            raise TestbedError("Slurm testbed: --real-gpus but this host shows no /dev/nvidiaN device")
+        cpus = args.cpus_per_node or (max(1, (os.cpu_count() or 2) // args.nodes) if devices else 16)
+        bed = Testbed(args.dir, nodes=args.nodes, cpus_per_node=cpus, accounting=not args.no_accounting,
+                      gpu_devices=devices)
         if args.action == "start":
             began = time.monotonic()
             bed.start()
+            (bed.root / "env.sh").write_text(bed.env_script())
             how = "already running, kept" if bed.reused else f"up in {time.monotonic() - began:.1f} s"
-            print(f"testbed {how}; for the clients:\n  export SLURM_CONF={bed.conf}")
+            print(f"testbed {how}; for the clients:\n  . {bed.root / 'env.sh'}")
             print(bed.status())
         elif args.action == "stop":
             bed.stop()

@@ -2,7 +2,7 @@
 
 slurm.conf, gres.conf (and the fake GPU device files it names), slurmdbd.conf (with the accounting
 database's password), the node names in /etc/hosts, and MariaDB's command line and accounting database.
-tests/slurm_testbed.py starts the daemons on them; `Testbed` and `TestbedError` are imported from there.
+tests/slurm_testbed.py starts the daemons on them.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tests.slurm_testbed_gpus import gres_lines, plugin_dir, task_prolog
+from tests.testbed_processes import TestbedError
+
 if TYPE_CHECKING:  # only for the annotations: tests.slurm_testbed imports this module
     from tests.slurm_testbed import Testbed
 
@@ -18,12 +21,6 @@ CLUSTER_NAME, PARTITION = "taehvtb", "tb"
 DB_NAME, DB_USER = "slurm_acct_db", "slurm"
 
 
-# Defined here, below tests.slurm_testbed, so that both modules raise the very same class, also when
-# tests.slurm_testbed runs as `python -m` (as __main__, a module of its own whose classes are new ones).
-class TestbedError(RuntimeError):
-    """The testbed could not start; the first line of the message says why."""
-
-    __test__ = False  # not a pytest test class, despite its name
 
 
 def write_config_files(bed: Testbed) -> None:
@@ -31,7 +28,7 @@ def write_config_files(bed: Testbed) -> None:
     for sub in ("etc", "run", "log", "dev", "spool/ctld", *(f"spool/{n}" for n in bed.node_names)):
         (bed.root / sub).mkdir(parents=True, exist_ok=True)
     # gres drops GPUs without device files; plain files are enough for Slurm to count them.
-    for i in range(bed.gpus_per_node):
+    for i in range(0 if bed.gpu_shares else bed.gpus_per_node):
         (bed.root / "dev" / f"nvidia{i}").touch()
     map_to_loopback(bed.node_names)
     if bed.accounting:
@@ -43,6 +40,15 @@ def write_config_files(bed: Testbed) -> None:
         write_private(bed.etc / "slurmdbd.conf", slurmdbd_conf(bed, password_file.read_text().strip()))
     bed.conf.write_text(slurm_conf(bed))
     (bed.etc / "gres.conf").write_text(gres_conf(bed))
+    cgroup = bed.etc / "cgroup.conf"  # slurmd reads it beside slurm.conf
+    if bed.private_cgroup:
+        cgroup.write_text(f"CgroupPlugin=cgroup/v1\nCgroupMountpoint={bed.cgroup_dir}\nCgroupAutomount=no\n")
+    else:
+        cgroup.unlink(missing_ok=True)
+    if bed.gpu_shares:
+        prolog = bed.etc / "task_prolog.sh"
+        prolog.write_text(task_prolog(bed.node_names, bed.gpu_shares))
+        prolog.chmod(0o755)
 
 
 def slurmdbd_conf(bed: Testbed, password: str) -> str:
@@ -56,7 +62,10 @@ def slurmdbd_conf(bed: Testbed, password: str) -> str:
 
 
 def gres_conf(bed: Testbed) -> str:
-    """gres.conf: each node's GPUs as the fake device files under the testbed's dev/ (empty without GPUs)."""
+    """gres.conf: each node's share of the host's GPUs, or fake device files under the testbed's dev/ (empty
+    without GPUs)."""
+    if bed.gpu_shares:
+        return gres_lines(bed.node_names, bed.gpu_shares)
     if not bed.gpus_per_node:
         return ""
     files = "nvidia0" if bed.gpus_per_node == 1 else f"nvidia[0-{bed.gpus_per_node - 1}]"
@@ -94,6 +103,10 @@ def slurm_conf(bed: Testbed) -> str:
         "MinJobAge=300",
         "JobCompType=jobcomp/none", "MailProg=/bin/true",  # no mail on this machine: keeps the log clean
     ]
+    if bed.slurm_prefix is not None:
+        lines.append(f"PluginDir={plugin_dir(bed.slurm_prefix)}")
+    if bed.gpu_shares:  # each node's GPUs in the host's numbering (tests/slurm_testbed_gpus.py)
+        lines.append(f"TaskProlog={bed.etc}/task_prolog.sh")
     if bed.gpus_per_node:
         lines.append("GresTypes=gpu")
     lines += accounting_lines(bed)

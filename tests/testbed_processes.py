@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+
+
+# Defined here, below tests.slurm_testbed and the modules it imports, so that all raise the very same class,
+# also when tests.slurm_testbed runs as `python -m` (as __main__, a module of its own whose classes are new).
+class TestbedError(RuntimeError):
+    """The testbed could not start; the first line of the message says why."""
+
+    __test__ = False  # not a pytest test class, despite its name
+
 
 # Popen objects of the daemons this Python process started, by pid: kept so they can be reaped
 # (waited for) when stopped, instead of lingering as zombies of the test process.
@@ -66,3 +76,51 @@ def other_slurm_daemons() -> list[int]:
     names = {"slurmctld", "slurmd", "slurmdbd", "slurmstepd"}
     return [int(p.name) for p in Path("/proc").iterdir()
             if p.name.isdigit() and read(f"{p}/comm").strip() in names and alive(int(p.name))]
+
+
+# ------------------------------------------------------------- Slurm's and MariaDB's commands
+def which(tool: str, env: Mapping[str, str]) -> str | None:
+    return shutil.which(tool, path=environ_with(env)["PATH"])
+
+
+def environ_with(extra: Mapping[str, str]) -> dict[str, str]:
+    """Our environment plus `extra`, with /usr/sbin on PATH: Debian puts the daemons there, and not every
+    PATH has it (a non-login shell, CI)."""
+    path = extra.get("PATH") or os.environ.get("PATH", "/usr/bin:/bin")
+    missing = [d for d in ("/usr/sbin", "/sbin") if d not in path.split(":")]
+    return {**os.environ, **extra, "PATH": ":".join([path, *missing])}
+
+
+def client_output(argv: list[str], env: Mapping[str, str], check: bool = False,
+                  timeout_s: float = 20) -> str | None:
+    """stdout of a short client command, or None if it failed (raises instead when check)."""
+    try:
+        done = subprocess.run(argv, env=environ_with(env), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        if check:
+            raise TestbedError(f"Slurm testbed: `{' '.join(argv)}` hung for {timeout_s:.0f} s") from None
+        return None
+    if done.returncode != 0:
+        if check:
+            raise TestbedError(f"Slurm testbed: `{' '.join(argv)}` failed: "
+                               f"{(done.stderr or done.stdout).strip()}")
+        return None
+    return done.stdout
+
+
+def succeeds(argv: list[str], env: Mapping[str, str]) -> bool:
+    return subprocess.run(argv, env=environ_with(env), stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL).returncode == 0
+
+
+def munge_works(env: Mapping[str, str]) -> bool:
+    return succeeds(["munge", "-n"], env)
+
+
+def log_tail(*logs: Path, lines: int = 15) -> str:
+    """The last lines of the first of `logs` that has any (a daemon's log file, else its stdout)."""
+    for log in logs:
+        text = read(str(log)).rstrip()
+        if text:
+            return f"last lines of {log}:\n" + "\n".join(text.splitlines()[-lines:])
+    return f"nothing logged in {', '.join(map(str, logs))}"
