@@ -211,7 +211,7 @@ class SlurmBackend(Backend):
 
     def describe_live(self, holder: dict[str, Any]) -> str | None:
         job_id = str(holder.get("job_id", ""))
-        answer = slurm.run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout_s=30)
+        answer = slurm.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], timeout_s=30)
         if answer.ok:
             state = (answer.output.split() or [""])[0]
             return f"job {job_id} ({state})" if state and not slurm.is_final(state) else None

@@ -125,8 +125,9 @@ def scontrol_missing(host: str) -> str | None:
 
 
 def squeue_state(job_id: str) -> str | None:
-    """The live state (PENDING, RUNNING, COMPLETING, ...) while Slurm still lists the job, else None."""
-    answer = run(["squeue", "-h", "-j", job_id, "-o", "%T"], timeout_s=30)
+    """The state the controller lists for the job (PENDING, RUNNING, ..., and for MinJobAge after it ended
+    COMPLETED, FAILED, ...: on a cluster without accounting the only place a job's end shows), else None."""
+    answer = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], timeout_s=30)
     states = answer.output.split() if answer.ok else []
     return states[0] if states else None
 

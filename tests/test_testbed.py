@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from taehv_slurm.slurm import expand_hosts
+import pytest
+
+from taehv_slurm.slurm import expand_hosts, is_final, job_state
 from tests.slurm_testbed import REPO, Testbed
 
 T = TypeVar("T")
@@ -108,3 +114,53 @@ def test_cli_status_shows_the_daemons_and_nodes(slurm_cluster: Testbed) -> None:
     assert "slurmctld: pid" in out and "slurmdbd: pid" in out
     assert all(f"slurmd-{n}: pid" in out for n in slurm_cluster.node_names)
     assert "tb1 tb* " in out and "gpu:8" in out
+
+
+@pytest.fixture(scope="module")
+def gpu_testbed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Testbed]:
+    """The GPU cluster's setup (`--real-gpus`, no accounting) with character devices standing in for a 4-GPU
+    host's /dev/nvidia0..3 (no driver needed: Slurm only checks that they are devices)."""
+    devices = tmp_path_factory.mktemp("dev")
+    files = [str(devices / f"nvidia{i}") for i in range(4)]
+    for i, file in enumerate(files):
+        os.mknod(file, 0o600 | stat.S_IFCHR, os.makedev(195, i))
+    bed = Testbed(tempfile.mkdtemp(prefix="tbgpu", dir="/tmp"), nodes=2, cpus_per_node=2, accounting=False,
+                  gpu_devices=files)
+    try:
+        bed.start()
+        yield bed
+    finally:
+        bed.stop()
+        shutil.rmtree(bed.root, ignore_errors=True)
+
+
+def test_the_gpu_cluster_gives_each_node_its_share_of_the_host_gpus(gpu_testbed: Testbed) -> None:
+    """The second node's tasks get the host's GPUs 2 and 3, where Slurm alone would give every node 0 and 1
+    (tests/slurm_testbed_gpus.py)."""
+    env = {**os.environ, **gpu_testbed.env}
+
+    def visible(*srun: str) -> list[str]:
+        done = subprocess.run(["srun", *srun, "sh", "-c", 'echo "$(hostname) $CUDA_VISIBLE_DEVICES"'],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return sorted(done.stdout.split("\n")[:-1])
+
+    assert visible("-N2", "--ntasks-per-node=1", "--gres=gpu:2") == ["tb1 0,1", "tb2 2,3"]
+    assert visible("-N1", "-w", "tb2", "--gres=gpu:1") in (["tb2 2"], ["tb2 3"])
+    assert "gpu:2" in gpu_testbed.status()
+
+
+def test_a_finished_job_s_state_is_known_without_accounting(gpu_testbed: Testbed,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where sacct has nothing (no accounting: small sites, the GPU cluster), the controller still lists a
+    finished job for MinJobAge: `taehv submit --follow` once never saw its job end there."""
+    for key, value in gpu_testbed.env.items():
+        monkeypatch.setenv(key, value)
+    ok = sbatch("--output=/dev/null", "--wrap", "true")
+    failed = sbatch("--output=/dev/null", "--wrap", "exit 3")
+
+    def ended() -> tuple[str | None, ...] | None:
+        states = (job_state(ok), job_state(failed))
+        return states if all(s and is_final(s) for s in states) else None
+
+    assert wait_for(ended, 60, "both jobs to end") == ("COMPLETED", "FAILED")
