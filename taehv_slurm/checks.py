@@ -25,7 +25,8 @@ from pathlib import Path
 
 from taehv_slurm.backends import backend_named
 from taehv_slurm.changes import config_changes, refusals
-from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, gpus_here
+from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig
+from taehv_slurm.machine import gpus_here, host_memory_here
 from taehv_slurm.messages import first_line
 from taehv_slurm.plan import GPU_MEMORY_HEADROOM, ScalePlan
 from taehv_slurm.runtime.checkpoint import Checkpointer
@@ -107,9 +108,7 @@ def memory_rows(cluster: ClusterConfig, train: TrainConfig, plan: ScalePlan) -> 
     device = cluster.task_device()
     rows = []
     if device == "cuda":
-        here = backend_named(cluster.backend).runs_here
-        total, source = (_gpu_memory_here(), "this machine's GPU") if here else (None, "")
-        total, source = (total, source) if total else (cluster.gpu_memory_gb, "gpu_memory_gb")
+        total, source = cluster.gpu_memory()
         need = plan.memory_per_gpu_gb
         ok = need <= total * GPU_MEMORY_HEADROOM
         rows.append(Row("GPU memory", "PASS" if ok else "FAIL",
@@ -121,7 +120,7 @@ def memory_rows(cluster: ClusterConfig, train: TrainConfig, plan: ScalePlan) -> 
     workers = plan.num_workers * (LOADER_WORKER_GB + plan.prefetch_factor * plan.per_gpu_batch * clip_gb)
     compute = CPU_ACTIVATION_FACTOR * plan.memory_per_gpu_gb if device == "cpu" else 0.0
     need = per_node * (RANK_PROCESS_GB[device] + workers + compute)
-    total, source = ((_host_memory_here(), "this machine") if backend_named(cluster.backend).runs_here
+    total, source = ((host_memory_here(), "this machine") if backend_named(cluster.backend).runs_here
                      else (cluster.mem_gb, "mem_gb"))
     what = f"≈{need:.1f} GB per node for {per_node} rank(s) (estimate)"
     if not total:
@@ -183,22 +182,3 @@ def data_row(train: TrainConfig, budget_s: float, sample: int = DATA_CHECK_SAMPL
     except (IndexError, ValueError, KeyError, TypeError):
         error = first_line(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output")
         return Row("data", "WARN", f"the data check could not run ({error}); {skip}")
-
-
-def _gpu_memory_here() -> float | None:
-    """GB of memory of this machine's first GPU (nvidia-smi), None without one."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout.split()
-        return float(out[0]) / 1024 if out else None
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
-
-
-def _host_memory_here() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
-        return kib / 1024**2
-    except (OSError, StopIteration, ValueError):
-        return None

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from taehv_slurm.machine import gpu_memory_here, gpus_here
 from taehv_slurm.typed_yaml import ConfigError, load_typed
 
 # sbatch --signal: "the signal may be sent up to 60 seconds earlier than specified" (slurmctld checks
@@ -75,8 +76,7 @@ def missing_engine_package(engine: str) -> str | None:
         return None
     return (f"engine {engine} needs DeepSpeed, which is not installed here: after torch, run pip install "
             "--no-build-isolation 'taehv-slurm[deepspeed]' (DeepSpeed builds from source), "
-            "or set engine.kind: "
-            "allreduce")
+            "or set engine.kind: allreduce")
 
 
 def missing_tracker_package(tracking: TrackingConfig) -> str | None:
@@ -85,11 +85,6 @@ def missing_tracker_package(tracking: TrackingConfig) -> str | None:
     off = ", ".join(f"tracking.{m}: false" for m in missing)
     return (f"tracking.{' and tracking.'.join(missing)}: {' and '.join(missing)} not installed here: "
             f"pip install 'taehv-slurm[trackers]', or set {off}" if missing else None)
-
-
-def gpus_here() -> int:
-    """NVIDIA GPUs on this machine, from the driver's device files (no torch import on the submit path)."""
-    return len(list(Path("/dev").glob("nvidia[0-9]*")))
 
 
 @dataclass
@@ -183,6 +178,11 @@ class ClusterConfig:
             return "cpu"
         return "cuda" if self.gpus_per_node > 0 else "cpu"
 
+    def gpu_memory(self) -> tuple[float, str]:
+        """(GB per GPU, source): this machine's GPU where the jobs run here, else gpu_memory_gb as stated."""
+        here = gpu_memory_here() if self.backend in MACHINE_BACKENDS else None
+        return (here, "this machine's GPU") if here else (self.gpu_memory_gb, "gpu_memory_gb")
+
     def runtime(self, device: str | None = None) -> RuntimeSettings:
         """What a task needs from the cluster config where it runs (device: override `device`)."""
         compile_cache = Path(self.compile_cache_dir or f"{self.job_dir}/compile-cache").absolute()
@@ -190,7 +190,7 @@ class ClusterConfig:
                                rendezvous_timeout_s=self.rendezvous_timeout_s,
                                collective_timeout_s=self.collective_timeout_s,
                                torch_threads=self.torch_threads or self.cpus_per_task,
-                               gpu_memory_gb=self.gpu_memory_gb,
+                               gpu_memory_gb=self.gpu_memory()[0],
                                cpus_per_task=self.cpus_per_task, slow_rank_margin=self.slow_rank_margin,
                                slow_rank_windows=self.slow_rank_windows,
                                compile_cache_dir=str(compile_cache))

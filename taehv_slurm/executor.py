@@ -19,7 +19,8 @@ from typing import Any
 import submitit
 
 from taehv_slurm.backends import backend_named
-from taehv_slurm.config import ClusterConfig, gpus_here
+from taehv_slurm.config import ClusterConfig
+from taehv_slurm.machine import gpus_here
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.bytecode import COMPILE_CACHE_ENV
 from taehv_slurm.runtime.distenv import INHERITED_LAUNCHER_VARS

@@ -258,7 +258,7 @@ def checkpoint_every(cfg: TrainConfig, gpus: int) -> int:
 def plan_for_cluster(cluster: ClusterConfig, train: TrainConfig | Mapping[str, Any]) -> ScalePlan:
     """The plan for a cluster config's shape, GPU memory and cores, on its tasks' device."""
     return plan_for(cluster.nodes, int(cluster.tasks_per_node or 1), train,
-                    gpu_memory_gb=cluster.gpu_memory_gb,
+                    gpu_memory_gb=cluster.gpu_memory()[0],
                     cpus_per_task=cluster.cpus_per_task, device=cluster.task_device())
 
 
