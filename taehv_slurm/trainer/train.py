@@ -79,6 +79,9 @@ def run_training(train: Mapping[str, Any], rt: RuntimeSettings, ctx: RunContext 
     init_distributed(env, rt.dist_backend, timeout_s=rt.collective_timeout_s or plan.nccl_timeout_s,
                      rendezvous_timeout_s=rt.rendezvous_timeout_s,
                      use_cuda=device.type == "cuda")
+    if device.type == "cuda":  # what NCCL runs with: the plan's settings, the cluster's env and the site's
+        nccl = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))]
+        log.info("NCCL settings: %s", " ".join(nccl) or "NCCL's defaults")
     try:
         return Trainer(cfg, plan, env, device, ctx, rt).run()
     finally:

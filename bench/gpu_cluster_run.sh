@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The runs on the GPU Slurm cluster behind docs/benchmarks.md's multi-node rows, on a machine with several GPUs
+# (as root). Starts the cluster (tests/slurm_testbed.py --real-gpus; from the .deb files in $SLURM_DEBS where
+# Slurm is not installed), or keeps the one already up, then runs the named parts:
+#
+#   bash bench/gpu_cluster_run.sh OUTDIR PART...     PART: cluster | scaling | engines | tests | faults
+#
+# cluster: the nodes get their own GPUs (one test); scaling: bench/slurm_scaling.py over 1x1 1x2 2x1 2xG;
+# engines: ZeRO-1/2/3 at the largest shape; tests / faults: tests/test_gpu_cluster.py, without / with the
+# faults. Wheels missing from the machine's Python may be carried in .whl/ (installed into /tmp/site).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$1; shift; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TORCH_CUDA_ARCH_LIST=9.0   # DeepSpeed's op builder cannot parse "9.0a"
+if [[ -d .whl && ! -e /tmp/site/.done ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done
+fi
+[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
+bed=${GPU_CLUSTER_DIR:-/tmp/taehv-gpu-cluster}
+gpus=$(ls /dev | grep -cE '^nvidia[0-9]+$'); per_node=$((gpus / 2))
+debs=(); command -v slurmctld >/dev/null || debs=(--slurm-debs "${SLURM_DEBS:-.slurm-debs}")
+started=$(date +%s)
+python3 -m tests.slurm_testbed start --dir "$bed" --nodes 2 --real-gpus --no-accounting "${debs[@]}" \
+  2>&1 | tee -a "$out/cluster.log" || exit 1
+. "$bed/env.sh"; export TAEHV_GPU_CLUSTER=$bed
+nvidia-smi -L >> "$out/cluster.log"; echo "cluster up after $(( $(date +%s) - started )) s; $gpus GPUs, $per_node per node" | tee -a "$out/cluster.log"
+tests() { timeout "${LIMIT:-500}" python3 -m pytest -o addopts= -m gpu_cluster -q -s -p no:cacheprovider -rA \
+            tests/test_gpu_cluster.py "$@" 2>&1 | tee -a "$out/tests.log" | tail -40; }
+for part in "$@"; do
+  echo "=== $part ($(( $(date +%s) - started )) s)"
+  case $part in
+    cluster) tests -k own_share ;;
+    scaling) timeout "${LIMIT:-450}" python3 bench/slurm_scaling.py --shapes "${SHAPES:-1x1,1x$per_node,2x1,2x$per_node}" \
+               --out "$out/slurm_scaling.json" 2>&1 | tee "$out/scaling.log" | grep -v Warning | tail -25 ;;
+    engines) timeout "${LIMIT:-400}" python3 bench/slurm_scaling.py --shapes "2x$per_node" --skip-shapes \
+               --engines zero1,zero2,zero3 --out "$out/slurm_engines.json" 2>&1 | tee "$out/engines.log" | tail -12 ;;
+    tests) tests -k "not own_share and not fault" ;;
+    faults) tests -k fault ;;
+  esac
+done
+# the rank logs and Slurm's own, for what the figures do not show
+tar czf "$out/logs.tgz" --ignore-failed-read --exclude=checkpoints --exclude=compile-cache --exclude='*.pt' \
+  -C / "${bed#/}/log" tmp/taehv-slurm-scaling/runs tmp/pytest-of-root 2>/dev/null
+echo "done after $(( $(date +%s) - started )) s"

@@ -1,0 +1,141 @@
+"""The whole Slurm path on real GPUs: a Slurm cluster of two nodes on one host with several GPUs, each node
+its own hostname and its share of the GPUs (tests/slurm_testbed_gpus.py), driven through the user's commands.
+
+Marked `gpu_cluster`: skipped where this host has fewer than 2 GPUs (CI). On a multi-GPU machine, as root:
+
+    python -m tests.slurm_testbed start --dir /tmp/taehv-gpu-cluster --nodes 2 --real-gpus --no-accounting \
+        [--slurm-debs DIR]            # Debian 12's .deb files where Slurm is not installed
+    . /tmp/taehv-gpu-cluster/env.sh && TAEHV_GPU_CLUSTER=/tmp/taehv-gpu-cluster \
+        python -m pytest -m gpu_cluster -n 0 -p no:cacheprovider tests/test_gpu_cluster.py
+
+- each node's tasks get that node's GPUs, and the nodes' GPUs are all of the host's, none twice;
+- the seeds' failures, for real: more tasks per node than the node has GPUs is refused by Slurm with one line
+  naming the fix; 2 × N ranks launched as 1 × 2N (the mismatch allowed on purpose) fails at its first rank
+  without a GPU with one line naming the launch, not CUDA's "invalid device ordinal";
+- a 2-node training crosses hosts: NCCL connects the nodes through NET/Socket and the GPUs of one node through
+  P2P, and the ranks run with the plan's NCCL settings.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from taehv_slurm.config import load_cluster, load_train
+from taehv_slurm.plan import plan_for_cluster
+from tests.helpers import REPO, metrics
+from tests.slurm_testbed import Testbed
+from tests.slurm_testbed_gpus import host_gpus
+
+CLUSTER = REPO / "configs/cluster/gpu_testbed.yaml"
+SHIPPED = REPO / "configs/train/taehv.yaml"
+pytestmark = [pytest.mark.gpu_cluster, pytest.mark.timeout(900),
+              pytest.mark.skipif(len(host_gpus()) < 2, reason="needs a host with 2 GPUs or more")]
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster() -> Iterator[Testbed]:
+    """The GPU cluster TAEHV_GPU_CLUSTER names (started beforehand, left running), else one started here."""
+    given = os.environ.get("TAEHV_GPU_CLUSTER")
+    bed = Testbed(given or "/tmp/taehv-gpu-cluster", nodes=2, accounting=False, gpu_devices=host_gpus(),
+                  cpus_per_node=max(1, (os.cpu_count() or 2) // 2))
+    if not given:
+        bed.start()
+    with pytest.MonkeyPatch.context() as environ:
+        for key, value in bed.env.items():
+            environ.setenv(key, value)
+        yield bed
+    if not given:
+        bed.stop()
+
+
+def taehv(*args: str, job_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m taehv_slurm ARGS` on the GPU cluster's config, as a user runs it."""
+    argv = [sys.executable, "-m", "taehv_slurm", *args, "--cluster", str(CLUSTER),
+            "--set", f"job_dir={job_dir}"]
+    return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                              str(REPO), os.environ.get("PYTHONPATH")]))})
+
+
+def small_shipped_run(steps: int) -> list[str]:
+    """`--set`s that make configs/train/taehv.yaml a short run on synthetic clips (no shards needed)."""
+    sets = {"data.source": "synthetic", "data.height": 128, "data.width": 192, "data.val_clips": 4,
+            "steps": steps, "intervals.log_every": 2, "intervals.val_every": 100_000,
+            "intervals.ckpt_every": 100_000, "optim.warmup_steps": 2}
+    return ["--train", str(SHIPPED),
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+
+
+def test_each_node_runs_on_its_own_share_of_the_gpus(gpu_cluster: Testbed) -> None:
+    per_node = gpu_cluster.gpus_per_node
+    probe = ("import socket, torch; print(socket.gethostname(), sorted(str(torch.cuda.get_device_properties("
+             "i).uuid) for i in range(torch.cuda.device_count())))")
+    done = subprocess.run(["srun", "-N2", f"--ntasks-per-node={per_node}", f"--gres=gpu:{per_node}",
+                           sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen: dict[str, set[str]] = {}
+    for line in done.stdout.splitlines():
+        host, uuids = line.split(" ", 1)
+        seen.setdefault(host, set()).update(ast.literal_eval(uuids))
+    assert sorted(seen) == gpu_cluster.node_names
+    assert all(len(u) == per_node for u in seen.values()), seen
+    tb1, tb2 = seen.values()
+    assert not tb1 & tb2, "two nodes were given the same GPU"
+    assert len(tb1 | tb2) == len(host_gpus())
+
+
+def test_more_tasks_per_node_than_gpus_is_refused_with_one_line(gpu_cluster: Testbed, tmp_path: Path) -> None:
+    too_many = 2 * gpu_cluster.gpus_per_node  # and CPUs enough for them: only the GPUs are missing
+    done = taehv("submit", "--nodes", "1", "--gpus-per-node", str(too_many), *small_shipped_run(4),
+                 "--set", f"cpus_per_task={gpu_cluster.cpus_per_node // too_many}", "--name", "too-many",
+                 job_dir=tmp_path)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: sbatch rejected the job: "), done.stderr[-2000:]
+    assert "gpus_per_node" in last and "Traceback" not in done.stderr
+
+
+def test_two_nodes_launched_as_one_fails_at_once_with_one_line(gpu_cluster: Testbed, tmp_path: Path) -> None:
+    gpus = gpu_cluster.gpus_per_node
+    done = taehv("submit", "--nodes", "1", "--gpus-per-node", str(gpus), "--set",
+                 f"tasks_per_node={2 * gpus}", "--set", "allow_task_gpu_mismatch=true", *small_shipped_run(4),
+                 "--set", f"cpus_per_task={gpu_cluster.cpus_per_node // (2 * gpus)}", "--name", "one-as-two",
+                 "--follow", job_dir=tmp_path)
+    assert done.returncode == 1, done.stdout[-3000:]
+    # the first rank without a GPU names the launch; the job ends FAILED, and no rank reached CUDA's error
+    said = done.stdout + done.stderr
+    assert re.search(rf"rank \d+ has local_rank \d+ but tb\d shows {gpus} GPU\(s\): this launch puts "
+                     rf"{2 * gpus} tasks on each of 1 node\(s\)", said), said[-3000:]
+    assert "FAILED" in done.stdout
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "one-as-two").rglob("*_log.out"))
+    assert "invalid device ordinal" not in logs
+
+
+def test_a_two_node_run_crosses_hosts_over_sockets_and_nvlink_inside(gpu_cluster: Testbed,
+                                                                     tmp_path: Path) -> None:
+    gpus = gpu_cluster.gpus_per_node
+    done = taehv("submit", "--nodes", "2", "--gpus-per-node", str(gpus), *small_shipped_run(6),
+                 "--set", "env.NCCL_DEBUG=INFO", "--name", "crossing", "--follow", job_dir=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    run_dir = tmp_path / "crossing"
+    assert [r["step"] for r in metrics(run_dir) if "loss" in r][-1] == 6
+    logs = {p.name: p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out")}
+    text = "".join(logs.values())
+    # NCCL's own channel lines: ranks of different nodes through the socket transport, of one node through P2P
+    assert re.search(r"via NET/Socket", text), "no channel between the nodes went through sockets"
+    if gpus > 1:
+        assert re.search(r"via P2P", text), "no channel inside a node went through P2P"
+    plan = plan_for_cluster(load_cluster(CLUSTER, nodes=2, gpus_per_node=gpus), load_train(SHIPPED))
+    settings = re.search(r"NCCL settings: (.*)", text)
+    assert settings, "rank 0 did not log its NCCL settings"
+    got = dict(kv.split("=", 1) for kv in settings.group(1).split())
+    assert {k: got.get(k) for k in plan.nccl_env} == plan.nccl_env
+    assert got.get("NCCL_NVLS_ENABLE") == "0"  # the cluster config's env reached the ranks too
