@@ -90,8 +90,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['variant']:>32}  first shard {r.get('prepare_first_shard_s')} s  "
               f"then {r.get('prepare_clips_per_s_after_first')} clips/s  ({r.get('prepare_shards')} shards)")
-    name = "smoke" if args.smoke else info["device"].replace(" ", "_")
-    write_results(args.out, f"prepare_e2e_{name}.json", {"info": info, "rows": rows})
+    write_results(args.out, "prepare_e2e_smoke" if args.smoke else "prepare_e2e",
+                  {"info": info, "rows": rows})
     if any(r["exit"] != 0 for r in rows):
         sys.exit(1)
 
