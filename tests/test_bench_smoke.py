@@ -105,6 +105,17 @@ def test_requeue_signal_smoke(tmp_path: Path) -> None:
     assert resume["grad_accum"] == 2 and resume["effective_batch"] == 4
 
 
+def test_cli_latency_smoke(tmp_path: Path) -> None:
+    # A finished smoke job, then each command that only looks, timed against `python -c pass`; the dry run
+    # only where Slurm is (this test does not start the testbed).
+    _, result = run_smoke("cli_latency.py", tmp_path / "cli.json")
+    commands = [row["command"] for row in result["rows"]]
+    assert commands[0] == "python -c pass" and result["rows"][0]["ratio"] == 1
+    assert {"taehv status", "taehv status --all", "taehv logs JOB", "taehv cancel JOB"} <= set(commands)
+    assert set(commands) | set(result["skipped"]) >= {"taehv submit --nodes 8 --dry-run"}
+    assert all(row["median_s"] > 0 and not row["imports_torch"] for row in result["rows"])
+
+
 def test_goodput_model_recommends_shorter_intervals_at_scale(tmp_path: Path) -> None:
     out = tmp_path / "goodput.json"
     done = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_model.py"), "--out", str(out)],
