@@ -49,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hang-share", type=float, default=0.3,
                    help="interruptions that are hangs (the rest crash)")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON file (default: bench/results/goodput_model_cpu_<date>_<commit>.json)")
+                   help="JSON file, or a folder for goodput_model_cpu_<date>_<commit>.json (default: "
+                        "bench/results/)")
     args = p.parse_args(argv)
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": "cpu", **code_version()}
-    out = args.out or RESULTS / result_name("goodput_model", info)
+    out = args.out or RESULTS
+    if out.is_dir():
+        out = out / result_name("goodput_model", info)
     rows = []
     for gpus in SIZES:
         interval = checkpoint_interval_s(gpus, args.save_s)

@@ -1,11 +1,13 @@
 """The benchmarks' --smoke modes (CPU, tiny sizes): they must keep running, so the GPU runs never rot.
 
-One test function per benchmark script.
+One test function per benchmark script, and one for bench/results/: every file there is in its index and
+backs a figure in docs/benchmarks.md, and every result file those name exists.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +128,17 @@ def test_goodput_model_recommends_shorter_intervals_at_scale(tmp_path: Path) -> 
     intervals = [r["checkpoint_interval_min"] for r in rows]
     assert intervals == sorted(intervals, reverse=True)  # more GPUs, more failures: save more often
     assert all(r["ettr"] >= r["ettr_hourly_checkpoints"] for r in rows)  # the optimum beats hourly saves
+
+
+def test_every_result_file_is_indexed_and_backs_a_figure() -> None:
+    results = REPO / "bench" / "results"
+    files = {p.name for p in results.iterdir() if p.name != "README.md"}
+    named = re.compile(r"`([\w.-]+\.(?:json|txt|gz))`")
+    index = set(named.findall((results / "README.md").read_text()))
+    figures = set(named.findall((REPO / "docs" / "benchmarks.md").read_text()))
+    assert files - index == set(), "in bench/results/ but not in its README.md"
+    assert files - figures == set(), "in bench/results/ but backing no figure of docs/benchmarks.md"
+    assert (index | figures) - files == set(), "named, but not in bench/results/"
+    # <bench>_<gpu>_<date>_<commit>: gpu 'cpu', 'h200', '4xh200', ...
+    scheme = re.compile(r"[a-z0-9_]+_(cpu|(\d+x)?[a-z]+\d+)_\d{4}-\d{2}-\d{2}_[0-9a-f]{7,}(-dirty)?\.[a-z.]+")
+    assert [f for f in files if not scheme.fullmatch(f)] == []
