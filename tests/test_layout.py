@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import time
@@ -181,6 +182,33 @@ def test_the_commands_that_only_look_import_neither_pandas_nor_torch(tmp_path: P
     for table in (status, status_all):  # the run's row, its goodput (ETTR) included
         assert job in table and "COMPLETED" in table and "2/2" in table and "ettr" in table
     assert "train step 2/2" in logs and "already ended" in cancel
+
+
+def test_the_design_map_names_every_module() -> None:
+    """docs/design.md's table of where code runs names every module of its folder (in backticks)."""
+    design = (REPO / "docs" / "design.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in design.splitlines()
+            if line.startswith("| `taehv_slurm/")}
+    missing = []
+    for folder in ("", "runtime/", "trainer/", "cli/"):
+        row = rows.get(f"`taehv_slurm/{folder}`" + (" (driver)" if not folder else ""), "")
+        missing += [f"taehv_slurm/{folder}{p.name}" for p in modules(PACKAGE / folder)
+                    if p.stem not in ("__init__", "__main__") and f"`{p.stem}`" not in row]
+    assert not missing, f"docs/design.md does not place: {missing}"
+
+
+def test_the_docs_cite_only_tests_that_exist() -> None:
+    """Every `tests/test_x.py::test_name` in README.md and docs/*.md names a test function of that file."""
+    cited = re.compile(r"tests/(test_\w+)\.py::(\w+)")
+    missing = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for module, name in cited.findall(doc.read_text()):
+            path = REPO / "tests" / f"{module}.py"
+            names = ({n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+                     if path.exists() else set())
+            if name not in names:
+                missing.append(f"{doc.relative_to(REPO)}: tests/{module}.py::{name}")
+    assert not missing, "\n".join(missing)
 
 
 def test_ruff_is_clean_at_the_configured_line_length() -> None:
