@@ -121,7 +121,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     info = run_info(torch.cuda.is_available(), frames=args.frames, height=args.height, width=args.width,
                     batch=args.batch, compile_mode=args.mode, cudnn_benchmark=args.cudnn_benchmark)
-    write_results(args.out, "compile_start.json", {"info": info, "rows": rows})
+    write_results(args.out, "compile_start", {"info": info, "rows": rows})
 
 
 if __name__ == "__main__":

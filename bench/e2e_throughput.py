@@ -348,8 +348,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     print_table(info, args.cpus, rows)
-    name = "smoke" if args.smoke else info["device"].replace(" ", "_")
-    write_results(args.out, f"e2e_throughput_{name}.json", {"info": info, "rows": rows})
+    write_results(args.out, "e2e_throughput_smoke" if args.smoke else "e2e_throughput",
+                  {"info": info, "rows": rows})
     if any(r["exit"] != 0 for r in rows):
         sys.exit(1)
 

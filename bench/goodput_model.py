@@ -14,6 +14,7 @@ time limits are not counted: every rank saves at the signal, so they lose no wor
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._record import RESULTS, code_version, result_name  # noqa: E402
 from taehv_slurm.plan import GPU_SECONDS_PER_INTERRUPTION, checkpoint_interval_s  # noqa: E402
 
 SIZES = (64, 512, 4096)
@@ -46,8 +48,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="a hang's detection: the 60 s floor + a heartbeat")
     p.add_argument("--hang-share", type=float, default=0.3,
                    help="interruptions that are hangs (the rest crash)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "goodput_model.json")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON file, or a folder for goodput_model_cpu_<date>_<commit>.json (default: "
+                        "bench/results/)")
     args = p.parse_args(argv)
+    info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": "cpu", **code_version()}
+    out = args.out or RESULTS
+    if out.is_dir():
+        out = out / result_name("goodput_model", info)
     rows = []
     for gpus in SIZES:
         interval = checkpoint_interval_s(gpus, args.save_s)
@@ -65,10 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['gpus']} | {r['mtbf_h']} h | {r['interruptions_per_day']} | "
               f"{r['checkpoint_interval_min']} min | {100 * r['ettr']:.2f} % | "
               f"{100 * r['ettr_hourly_checkpoints']:.2f} % |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"inputs": {k: v for k, v in vars(args).items() if k != "out"},
-                                    "gpu_seconds_per_interruption": round(GPU_SECONDS_PER_INTERRUPTION),
-                                    "rows": rows}, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"info": info, "inputs": {k: v for k, v in vars(args).items() if k != "out"},
+                               "gpu_seconds_per_interruption": round(GPU_SECONDS_PER_INTERRUPTION),
+                               "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
     return 0 if all(math.isfinite(r["ettr"]) for r in rows) else 1
 
 

@@ -84,7 +84,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['source']:>9} {r['workers']:>7} {r['clips_per_s']:>8} {r['clips_per_s_per_worker']:>10} "
               f"{r['workers_per_gpu_for_goal']:>21}")
-    write_results(args.out, f"loader_throughput{'_smoke' if args.smoke else ''}.json",
+    write_results(args.out, "loader_throughput_smoke" if args.smoke else "loader_throughput",
                   {"info": info, "rows": rows})
 
 

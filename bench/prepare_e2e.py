@@ -6,9 +6,10 @@ shard with a cold and a warm compile cache, for its defaults and for other flags
 
 Videos (480×720 H.264, --video-frames per file) and the HunyuanVideo VAE in its default architecture with
 seeded random weights are made as in bench/e2e_throughput.py. Windows are --frames long (16: the teacher
-encodes 13 = 1 + 4k of them, the windows the issue's figures are for). Each variant runs `jobs.prepare` into
-a fresh output folder; a variant named "…-cold" first empties the job folder's compile cache. Figures come
-from the run's own events: start to the first shard written, and clips/s over the shards after it.
+encodes 13 = 1 + 4k of them, the windows of docs/benchmarks.md's teacher figures). Each variant runs
+`jobs.prepare` into a fresh output folder; a variant named "…-cold" first empties the job folder's compile
+cache. Figures come from the run's own events: start to the first shard written, and clips/s over the
+shards after it.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._record import run_info, write_results  # noqa: E402
 from bench.e2e_throughput import local_cluster, make_teacher, make_videos, prepare_figures, run  # noqa: E402
 
-# name → jobs.prepare flags beyond the data, teacher and window shape. The defaults before issue 28 were
-# eager at batch 4; the defaults now compile at batch 2 (bench/prepare_throughput.py: the fastest setting).
+# name → jobs.prepare flags beyond the data, teacher and window shape. "before": eager at batch 4, the
+# defaults of earlier code; the defaults now compile at batch 2 (bench/prepare_throughput.py: the fastest
+# setting).
 VARIANTS = {"before": "--no-compile --batch 4",
             "defaults-cold": "",
             "defaults-warm": ""}
@@ -90,8 +92,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['variant']:>32}  first shard {r.get('prepare_first_shard_s')} s  "
               f"then {r.get('prepare_clips_per_s_after_first')} clips/s  ({r.get('prepare_shards')} shards)")
-    name = "smoke" if args.smoke else info["device"].replace(" ", "_")
-    write_results(args.out, f"prepare_e2e_{name}.json", {"info": info, "rows": rows})
+    write_results(args.out, "prepare_e2e_smoke" if args.smoke else "prepare_e2e",
+                  {"info": info, "rows": rows})
     if any(r["exit"] != 0 for r in rows):
         sys.exit(1)
 

@@ -258,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also profile one teacher setting: its 30 most expensive CUDA ops go in the results")
     p.add_argument("--skip", default="", help="sections to skip: teacher, decode, read (comma-separated)")
     p.add_argument("--out",
-                   help="JSON file for the results (default bench/results/prepare_throughput_<device>.json)")
+                   help="JSON file for the results (default: bench/results/, named as _record.result_name)")
     args = p.parse_args(argv)
     if unknown := set(args.modes.split(",")) - set(MODES):
         p.error(f"--modes takes {' and '.join(MODES)}; got {', '.join(sorted(unknown))}")
@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(rows[-1]), flush=True)
     print(f"\n{info['device']}, torch {info['torch']}, CUDA {info['cuda']}")
     print(table(rows))
-    name = "smoke" if args.smoke else str(info["device"]).replace(" ", "_")
-    write_results(args.out, f"prepare_throughput_{name}.json", {"info": info, "rows": rows})
+    write_results(args.out, "prepare_throughput_smoke" if args.smoke else "prepare_throughput",
+                  {"info": info, "rows": rows})
     return 0
 
 

@@ -142,8 +142,7 @@ def main() -> None:
         figures = analyse(json.loads(path.read_text()))
     info = run_info(torch.cuda.is_available(), cpus_per_task=cluster.cpus_per_task)
     print(json.dumps(figures, indent=1))
-    write_results(args.out, f"prepare_timeline_{info['device'].replace(' ', '_')}.json",
-                  {"info": info, "figures": figures})
+    write_results(args.out, "prepare_timeline", {"info": info, "figures": figures})
 
 
 if __name__ == "__main__":

@@ -111,8 +111,7 @@ def main() -> None:
     result = {"info": info, "rows": timings(shapes, on_gpu, args.iters)}
     if on_gpu and args.sweep:
         result["sweep"] = sweep(shapes)
-    name = "smoke" if args.smoke else info["device"].replace(" ", "_")
-    write_results(args.out, f"relu_grad_{name}.json", result)
+    write_results(args.out, "relu_grad_throughput_smoke" if args.smoke else "relu_grad_throughput", result)
 
 
 if __name__ == "__main__":

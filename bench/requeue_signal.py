@@ -163,7 +163,8 @@ def main() -> None:
     print(json.dumps({"resume": results["resume"]}), flush=True)
     if any(results["resume"]["exit_codes"]):
         print((tmp_path / "resume.rank0.log").read_text()[-3000:])
-    write_results(args.out, f"requeue_signal_{'smoke' if args.smoke else 'gpu'}.json", results)
+    write_results(args.out, "requeue_signal_smoke" if args.smoke else "requeue_signal", results,
+                  gpus=args.gpus)
 
 
 if __name__ == "__main__":

@@ -156,8 +156,7 @@ def main() -> None:
         print(json.dumps(result["rel_err_vs_fp32"]), flush=True)
         if args.sweep:
             result["sweep"] = sweep(stacked.detach(), weight.detach(), bias.detach(), k)
-    name = "smoke" if args.smoke else info["device"].replace(" ", "_")
-    write_results(args.out, f"rgb_head_{name}.json", result)
+    write_results(args.out, "rgb_head_throughput_smoke" if args.smoke else "rgb_head_throughput", result)
 
 
 if __name__ == "__main__":

@@ -1,31 +1,59 @@
 #!/usr/bin/env bash
-# The GPU benchmark session behind docs/benchmarks.md, on one host with 2 GPUs (nvidia-h200-x2).
-# Usage: bash bench/run_gpu_benchmarks.sh PART OUTDIR   (PART: e2e | single | multi | signal | prepare | all)
-# e2e needs one GPU only: the user's command end to end, the loader rates and the GPU tests (~25 min).
+# The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host).
+# Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
+#   PART: student | kernels | teacher | data | signal | watchers | gpu_tests | multi | all   (OUTDIR: bench/results)
+# Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
+# was measured, e.g. e2e_start_warm) and its output beside it as .log.
 # Wheels missing from the GPU image (deepspeed, submitit, av, diffusers, ...) must already be importable.
 set -uo pipefail
 part=${1:-all}; out=${2:-bench/results}; mkdir -p "$out"
 export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1   # DeepSpeed's op builder cannot parse "9.0a"
-run() { local name=$1; shift; echo "=== $name"; timeout "${LIMIT:-400}" "$@" 2>&1 | grep -v Warning | tee "$out/$name.log" | tail -25; }
-if [[ $part == e2e || $part == all ]]; then
-  LIMIT=1500 run e2e python3 bench/e2e_throughput.py --out "$out/e2e_throughput.json"
-  run loader python3 bench/loader_throughput.py --workers 1,2,4,8,12 --seconds 6 --out "$out/loader_throughput.json"
-  LIMIT=1500 run gpu_tests python3 -m pytest -m gpu -n 0 -q -s -p no:cacheprovider tests/test_gpu.py
+gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
+# <gpu>_<date>_<commit> of this run, as bench/_record.py names its results
+tag() { python3 -c "import datetime, sys, torch; from bench._record import code_version, result_name
+print(result_name('', {'device': torch.cuda.get_device_name(0), 'date': datetime.date.today().isoformat(),
+                       **code_version()}, gpus=int(sys.argv[1]), suffix='')[1:])" "${1:-1}"; }
+run() {  # NAME GPUS COMMAND...: --out OUTDIR/NAME_<tag>.json is added unless NOJSON=1; output to NAME_<tag>.log
+  local name=$1 n=$2; shift 2; local base; base="$out/${name}_$(tag "$n")"; echo "=== $name -> $base.*"
+  [[ ${NOJSON:-0} == 1 ]] || set -- "$@" --out "$base.json"
+  timeout "${LIMIT:-600}" "$@" 2>&1 | grep -v Warning | tee "$base.log" | tail -25
+}
+want() { [[ $part == "$1" || $part == all ]]; }
+if want student; then  # the isolated step, the shipped config end to end, then its start cold and warm
+  run train_throughput 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4
+  LIMIT=1500 run e2e_throughput 1 python3 bench/e2e_throughput.py --sources prepared --videos 24 --steps 16 \
+    --warmup-steps 4 --work /tmp/taehv-e2e-student
+  for start in cold warm; do  # one work folder, so one job folder and compile cache: the second is warm
+    LIMIT=900 run "e2e_start_$start" 1 python3 bench/e2e_throughput.py --sources prepared --videos 24 --steps 10 \
+      --warmup-steps 4 --isolated-steps 0 --work /tmp/taehv-e2e-start
+  done
 fi
-if [[ $part == single || $part == all ]]; then
-  run single python3 bench/train_throughput.py --variants compile_cl --batch ${BATCH:-4,8} --profile compile_cl:4 --out "$out/train_single.json"
-  run graphs python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4 --out "$out/train_cuda_graphs.json"
-  run single_plain python3 bench/train_throughput.py --variants eager,compile_cl --batch 4 --fast none --out "$out/train_single_plain.json"
-  run engines_1gpu python3 bench/train_throughput.py --variants eager_cl --engines allreduce,zero2 --batch 4 --out "$out/engines_1gpu.json"
-  LIMIT=900 run compile_start python3 bench/compile_start.py --ab --out "$out/compile_start.json"
+if want kernels; then
+  run rgb_head_throughput 1 python3 bench/rgb_head_throughput.py --sweep
+  run relu_grad_throughput 1 python3 bench/relu_grad_throughput.py --sweep
 fi
-if [[ $part == multi || $part == all ]]; then
-  run scaling python3 bench/train_throughput.py --gpus 2 --engines allreduce --multi-variant compile_cl_graphs --batch 4 --out "$out/train_2gpu.json"
-  run engines python3 bench/train_throughput.py --gpus 2 --engines allreduce,zero1,zero2,zero3 --multi-variant eager_cl --batch 8 --out "$out/engines_2gpu.json"
+if want teacher; then  # the teacher alone, then `taehv prepare --local` cold and warm on one compile cache
+  run prepare_throughput 1 python3 bench/prepare_throughput.py --modes compile --batches 2 --skip decode,read
+  for start in cold warm; do
+    LIMIT=1500 run "prepare_e2e_$start" 1 python3 bench/prepare_e2e.py --videos 64 --work /tmp/taehv-prepare-e2e
+  done
 fi
-if [[ $part == signal || $part == all ]]; then
-  run signal python3 bench/requeue_signal.py --gpus 2 --resume-gpus 1 --steps 30 --signal-at 15 --out "$out/requeue_signal.json"
+if want data; then
+  run loader_throughput 1 python3 bench/loader_throughput.py --workers 1,2,4,8,12 --seconds 6
+  run decode_and_read 1 python3 bench/prepare_throughput.py --skip teacher
 fi
-if [[ $part == prepare || $part == all ]]; then
-  run prepare python3 bench/prepare_throughput.py --out "$out/prepare_throughput.json"
+if want signal; then
+  run requeue_signal 1 python3 bench/requeue_signal.py --gpus 1 --resume-gpus 1 --steps 30 --signal-at 15
+fi
+if want watchers; then
+  LIMIT=1500 run e2e_watchers_ab 1 python3 bench/e2e_throughput.py --sources prepared --watchers-ab 2
+fi
+if want gpu_tests; then
+  NOJSON=1 LIMIT=1500 run gpu_tests 1 python3 -m pytest -m gpu -n 0 -q -p no:cacheprovider
+fi
+if want multi && (( $(gpus) >= 2 )); then
+  run train_throughput 2 python3 bench/train_throughput.py --gpus 2 --engines allreduce \
+    --multi-variant compile_cl_graphs --batch 4
+  run engines 2 python3 bench/train_throughput.py --gpus 2 --engines allreduce,zero1,zero2,zero3 \
+    --multi-variant eager_cl --batch 8
 fi

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in best.items():
         print(f"{key:36s} {value:.3f}")
     print(detail)
-    write_results(args.out, "submit_checks.json", payload)
+    write_results(args.out, "submit_checks", payload)
     return 0
 
 

@@ -278,8 +278,8 @@ def main() -> None:
         if "clips_per_s_per_gpu" in row:
             row["mfu"] = row["clips_per_s_per_gpu"] * flops / 1e12 / peak if on_gpu else None
     print_table(info, flops, peak, rows)
-    name = "smoke" if args.smoke else info["device"].replace(" ", "_")
-    write_results(args.out, f"train_throughput_{name}_{args.gpus}gpu.json", {"info": info, "rows": rows})
+    write_results(args.out, "train_throughput_smoke" if args.smoke else "train_throughput",
+                  {"info": info, "rows": rows}, gpus=args.gpus)
 
 
 if __name__ == "__main__":

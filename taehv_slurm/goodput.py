@@ -13,6 +13,9 @@ Per attempt of a job (its first run and each requeue), from the run's own files 
   seconds;
 - time in saves (`checkpoint` events);
 - and the effective training time ratio, ETTR = productive / allocated.
+
+`attempt_rows` and `run_totals` compute it on plain rows (what `taehv status` shows needs no pandas);
+`goodput_frame` is the same as a DataFrame.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:
+    import pandas as pd
 
 # What ends an attempt, as the run records it (the first one in the attempt's window).
 ENDS = ("requeue", "requeue_failed", "finished", "failure", "killed", "hang", "cancelled", "stopped",
@@ -32,11 +36,12 @@ COLUMNS = ["attempt", "began", "ended", "end", "nodes", "allocated_node_s", "tim
            "lost_steps", "lost_s", "save_s", "ettr"]
 
 
-def goodput_frame(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]], nodes: int,
-                  final_step: int | None, accounting: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per attempt of one job (see the module docstring); `frame.attrs` holds the totals
-    (allocated_node_s, productive_node_s, lost_s, ettr). `final_step`: the run's latest checkpoint;
-    `accounting`: `JobHandle.accounting()` (empty or None where there is none)."""
+def attempt_rows(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]], nodes: int,
+                 final_step: int | None,
+                 accounting: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """One row per attempt of one job (see the module docstring), `began` and `ended` in epoch seconds.
+    `final_step`: the run's latest checkpoint; `accounting`: sacct's records of the job
+    (`slurm.sacct_records`; empty where there are none)."""
     starts = [e for e in events if e["event"] == "start"]
     allocated = _allocated_by_attempt(accounting)
     rows = []
@@ -44,13 +49,36 @@ def goodput_frame(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapp
         later = starts[i + 1] if i + 1 < len(starts) else None
         kept_until = later["step"] if later is not None else (final_step or start["step"])
         rows.append(_attempt_row(start, later, events, train_rows, nodes, kept_until, allocated))
-    frame = pd.DataFrame(rows, columns=COLUMNS)
-    total_alloc = float(frame["allocated_node_s"].sum()) if rows else 0.0
-    total_prod = float(frame["productive_node_s"].fillna(0).sum()) if rows else 0.0
-    known = rows and frame["productive_node_s"].notna().all()  # else unknown, not 0: too few log lines
-    frame.attrs.update(allocated_node_s=round(total_alloc, 1), productive_node_s=round(total_prod, 1),
-                       lost_s=round(float(frame["lost_s"].fillna(0).sum()), 1) if rows else 0.0,
-                       ettr=round(total_prod / total_alloc, 4) if total_alloc and known else None)
+    return rows
+
+
+def run_totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The run's allocated and productive node-seconds, seconds lost and ETTR over `attempt_rows`; ETTR is
+    None (unknown, not 0) while an attempt has too few log lines to give its seconds per step."""
+    allocated = sum(r["allocated_node_s"] for r in rows)
+    productive = sum(r["productive_node_s"] or 0 for r in rows)
+    known = bool(rows) and all(r["productive_node_s"] is not None for r in rows)
+    return {"allocated_node_s": round(float(allocated), 1), "productive_node_s": round(float(productive), 1),
+            "lost_s": round(float(sum(r["lost_s"] or 0 for r in rows)), 1),
+            "ettr": round(productive / allocated, 4) if allocated and known else None}
+
+
+def goodput_frame(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]], nodes: int,
+                  final_step: int | None, accounting: pd.DataFrame | None = None) -> pd.DataFrame:
+    """`attempt_rows` as a DataFrame, `began` and `ended` as UTC timestamps; `frame.attrs` holds the
+    `run_totals`. `accounting`: `JobHandle.accounting()` (empty or None where there is none)."""
+    records = [] if accounting is None or accounting.empty else accounting.to_dict("records")
+    return frame_of(attempt_rows(events, train_rows, nodes, final_step, records))
+
+
+def frame_of(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """`attempt_rows` as `goodput_frame` gives them: a DataFrame, its `attrs` the `run_totals`."""
+    import pandas as pd
+
+    stamped = [{**r, "began": pd.Timestamp(r["began"], unit="s", tz="UTC"),
+                "ended": pd.Timestamp(r["ended"], unit="s", tz="UTC")} for r in rows]
+    frame = pd.DataFrame(stamped, columns=COLUMNS)
+    frame.attrs.update(run_totals(rows))
     return frame
 
 
@@ -76,8 +104,8 @@ def _attempt_row(start: Mapping[str, Any], later: Mapping[str, Any] | None,
     end = "running"
     if ends:
         end = ends[0]["event"] + (f" ({ends[0]['reason']})" if ends[0].get("reason") else "")
-    return {"attempt": int(start.get("restart_count", 0)), "began": pd.Timestamp(began, unit="s", tz="UTC"),
-            "ended": pd.Timestamp(ended, unit="s", tz="UTC"), "end": end, "nodes": nodes,
+    return {"attempt": int(start.get("restart_count", 0)), "began": began, "ended": ended, "end": end,
+            "nodes": nodes,
             "allocated_node_s": round(node_s, 1),
             "time_to_first_step_s": round(first[0]["seconds"], 1) if first else None,
             "start_up_s": round(start["time"] - began, 1),
@@ -97,13 +125,10 @@ def _seconds_per_step(rows: Sequence[Mapping[str, Any]]) -> float | None:
     return round(statistics.median(paces), 4) if paces else None
 
 
-def _allocated_by_attempt(accounting: pd.DataFrame | None) -> dict[int, float]:
+def _allocated_by_attempt(accounting: Sequence[Mapping[str, Any]]) -> dict[int, float]:
     """Attempt → allocated node-seconds (sacct's Elapsed × NNodes of its allocation record)."""
-    if accounting is None or accounting.empty or "NNodes" not in accounting:
-        return {}
-    allocations = accounting[~accounting["JobID"].str.contains(".", regex=False)]
     return {int(r["Attempt"]): float(r["ElapsedSeconds"]) * int(r["NNodes"] or 1)
-            for _, r in allocations.iterrows()}
+            for r in accounting if "NNodes" in r and "." not in str(r["JobID"])}
 
 
 def summary(frame: pd.DataFrame) -> str:

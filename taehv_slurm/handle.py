@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from taehv_slurm import slurm
 from taehv_slurm.backends import backend_named
 from taehv_slurm.config import ClusterConfig, load_cluster
+from taehv_slurm.goodput import attempt_rows, frame_of, run_totals
 from taehv_slurm.registry import find_record, read_registry, run_name
 from taehv_slurm.runtime.provenance import commit_label, read_attempts
 from taehv_slurm.runtime.runfiles import EventLog
@@ -295,16 +296,20 @@ class JobHandle:
         slurmdbd records a job's end a moment after squeue shows it: for up to `settle_s` seconds this
         waits until the accounting agrees that an ended job ended.
         """
-        frame = slurm.sacct_frame(self.job_id)
-        deadline = time.monotonic() + settle_s
-        while self._accounting_behind(frame) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            frame = slurm.sacct_frame(self.job_id)
-        return frame
+        return slurm.sacct_frame(self.job_id, records=self._accounting_records(settle_s))
 
-    def _accounting_behind(self, frame: pd.DataFrame) -> bool:
-        alloc = frame[frame["JobID"] == self.job_id]["State"] if not frame.empty else []
-        if not len(alloc) or slurm.is_final(str(alloc.iloc[-1])):
+    def _accounting_records(self, settle_s: float = 10.0) -> list[dict[str, Any]]:
+        """`accounting()` as sacct's records (`slurm.sacct_records`), without pandas."""
+        records = slurm.sacct_records(self.job_id)
+        deadline = time.monotonic() + settle_s
+        while self._accounting_behind(records) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            records = slurm.sacct_records(self.job_id)
+        return records
+
+    def _accounting_behind(self, records: list[dict[str, Any]]) -> bool:
+        states = [r["State"] for r in records if r["JobID"] == self.job_id]
+        if not states or slurm.is_final(str(states[-1])):
             return False  # no accounting here (or no record at all), or it has the end already
         return slurm.is_final(slurm.squeue_state(self.job_id) or "PENDING")
 
@@ -313,13 +318,16 @@ class JobHandle:
         accounting), time to first step, steps kept and productive node-seconds, work lost to each
         interruption, time in saves, and ETTR = productive / allocated (taehv_slurm.goodput); the totals
         are in `frame.attrs`."""
-        from taehv_slurm.goodput import goodput_frame
+        return frame_of(self._goodput_rows())
+
+    def _goodput_rows(self) -> list[dict[str, Any]]:
+        """`goodput()`'s rows as plain dicts (taehv_slurm.goodput.attempt_rows), without pandas."""
         from taehv_slurm.runtime.checkpoint import Checkpointer
 
         rows = [r for r in EventLog(self.run_dir / "metrics.jsonl").read() if "loss" in r]
-        accounting = self.accounting() if self.backend.has_accounting else None
+        accounting = self._accounting_records() if self.backend.has_accounting else []
         final = Checkpointer(self.run_dir / "checkpoints").latest_step()
-        return goodput_frame(self.events(), rows, int(self.record.get("nodes") or 1), final, accounting)
+        return attempt_rows(self.events(), rows, int(self.record.get("nodes") or 1), final, accounting)
 
     def config_history(self) -> pd.DataFrame:
         """One row per attempt of this run (every job of its run folder): job id, restart, step it started
@@ -343,12 +351,12 @@ class JobHandle:
             killed = {e.get("segment"): e["detail"] for e in self.events() if e["event"] == "killed"}
             note = "; ".join(f"requeued at step {e['step']} ({killed.get(e.get('segment')) or e['reason']})"
                              for e in requeues)
-        goodput = self.goodput().attrs if "train" in self.record else {}
-        node_h = round(goodput["allocated_node_s"] / 3600, 4) if goodput else None
+        totals = run_totals(self._goodput_rows()) if "train" in self.record else {}
+        node_h = round(totals["allocated_node_s"] / 3600, 4) if totals else None
         return {"job_id": self.job_id, "run": self.name, "state": state,
                 "nodes": self.record.get("nodes"), "ranks": self.record.get("world_size"),
                 "step": step, "steps": total, "requeues": len(requeues),
-                "commit": commit_label(read_attempts(self.run_dir)), "ettr": goodput.get("ettr"),
+                "commit": commit_label(read_attempts(self.run_dir)), "ettr": totals.get("ettr"),
                 "allocated_node_h": node_h,
                 "submitted": time.strftime("%Y-%m-%d %H:%M:%S",
                                            time.localtime(self.record.get("submitted_at", 0))),

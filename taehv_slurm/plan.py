@@ -26,8 +26,9 @@ from taehv_slurm.messages import command
 
 # Throughput of each engine relative to allreduce (plain data parallelism), measured on H200s
 # (docs/benchmarks.md): 2 GPUs, a TAEHV-shaped model (ZeRO-2 −7 %, ZeRO-3 −18 %), and 1 GPU with our model
-# (ZeRO-2 −30 %). ZeRO buys no memory worth its cost for an 11 M-parameter model, so the plan prefers
-# allreduce and moves to ZeRO only when parameters + optimizer states do not fit.
+# (ZeRO-2 −30 %); our model on 4 GPUs: ZeRO-2 −25 %, ZeRO-3 −61 %, the same order. ZeRO buys no memory worth
+# its cost for an 11 M-parameter model, so the plan prefers allreduce and moves to ZeRO only when parameters
+# + optimizer states do not fit.
 ENGINE_RELATIVE_SPEED = {"allreduce": 1.0, "zero1": 0.95, "zero2": 0.93, "zero3": 0.82}
 # Engines that torch.compile their step where engine.compile is on (GPUs). ZeRO-3 gathers each partitioned
 # weight when it is read; the model composes weights from several layers outside those layers' calls, so
@@ -42,7 +43,7 @@ REFERENCE_CLIP_ELEMENTS = 12 * 480 * 720
 # Activation checkpointing keeps about a third of the activations (the block inputs), measured shape.
 CHECKPOINTED_ACTIVATION_FRACTION = 0.35
 GPU_MEMORY_HEADROOM = 0.9  # leave 10 % for the allocator, NCCL buffers and compile workspaces
-# Loading, measured on a 16-core H100 host (bench/loader_throughput.py, bench/results/h100/): clips/s that
+# Loading, measured on a 16-core H100 host (bench/loader_throughput.py, docs/benchmarks.md): clips/s that
 # one loader worker delivers for each source at the reference clip (12×480×720) while 8 workers run at
 # once (video 15.2, synthetic 3.75, prepared 53.7; one worker alone: 21, 5.9, 97). Raw video: PyAV decode
 # with its threads; synthetic: rendered with numpy; prepared: shards from the page cache. The trainer
@@ -56,7 +57,8 @@ NCCL_TIMEOUT_BY_NODES = ((1, 3600), (2, 7200), (8, 14400))  # (from this many no
 # days on 16,384 H100s (Dubey et al., 2024, "The Llama 3 Herd of Models", section 3.3.4): one per this
 # many GPU-seconds.
 GPU_SECONDS_PER_INTERRUPTION = 54 * 86400 * 16384 / 466
-# A save of the ~135 MB state (gathered, written by rank 0), measured on one H100 (docs/benchmarks.md).
+# A save of the ~135 MB state (gathered, written by rank 0): 0.23 s a periodic save, 0.4–0.5 s from the signal
+# to saved, on one H200 (docs/benchmarks.md).
 SAVE_SECONDS = 0.5
 MAX_CHECKPOINT_INTERVAL_S = 3600.0  # whatever the scale: a hang or a lost node costs at most an hour
 

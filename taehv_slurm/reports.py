@@ -1,7 +1,8 @@
 """Reports built from a run's files: metrics and registries as pandas DataFrames, text tables, plots,
 and the progress display of `JobHandle.wait`. Knows files and records, not jobs (taehv_slurm.runs
-builds the tables of several JobHandles). Imports pandas, so the light paths (submitting,
-`taehv cancel`) never import it.
+builds the tables of several JobHandles). Each function that builds or reads a DataFrame imports pandas
+when called, so the commands that only print text (`taehv status` as a table, `taehv submit --dry-run`,
+`taehv logs`, `taehv cancel`) never load it: `text_table` and `render_rows` need none.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import pandas as pd
-
 from taehv_slurm.changes import config_changes, flatten
 from taehv_slurm.registry import read_registry, run_name
 from taehv_slurm.runtime.runfiles import EventLog
 
 if TYPE_CHECKING:
+    import pandas as pd
     from matplotlib.figure import Figure
 
 
@@ -33,6 +33,8 @@ METRIC_COLUMNS = ("step", "time", "event", "loss", "psnr", "samples_per_second",
 
 def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, Any]] = ()) -> pd.DataFrame:
     """metrics.jsonl of a run folder (+ requeue rows) as a DataFrame; see `JobHandle.metrics`."""
+    import pandas as pd
+
     path = Path(run_dir) / "metrics.jsonl"
     rows = [dict(r, event="val" if any(k.startswith("val_") for k in r) else "train")
             for r in (EventLog(path).read() if path.exists() else [])]
@@ -54,6 +56,8 @@ def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, An
 def attempts_frame(attempts: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
     """One row per attempt (taehv_slurm.runtime.provenance): when and where it ran, the code and versions,
     what changed since the attempt before, and its training config flattened to columns ("optim.lr")."""
+    import pandas as pd
+
     rows, previous = [], None
     for attempt in attempts:
         config = attempt.get("config") or {}
@@ -72,6 +76,8 @@ def attempts_frame(attempts: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 
 
 def final_row(frame: pd.DataFrame) -> pd.DataFrame:
+    import pandas as pd
+
     train = frame[frame["event"] == "train"]
     if train.empty:
         return train
@@ -87,6 +93,8 @@ def final_row(frame: pd.DataFrame) -> pd.DataFrame:
 
 def registry_frame(job_dir: str | os.PathLike) -> pd.DataFrame:
     """The registry as a table: one row per submitted run (job id, run, when, shape, task, swept values)."""
+    import pandas as pd
+
     rows = []
     for rec in read_registry(job_dir):
         rows.append({"job_id": rec["job_id"], "run": run_name(rec),
@@ -111,8 +119,13 @@ def render(frame: pd.DataFrame, fmt: str) -> str:
         return frame.to_csv(index=False).rstrip("\n")
     if fmt == "json":
         return frame.to_json(orient="records", indent=1, date_format="iso")
-    rows = frame.to_dict("records")
-    if {"step", "steps"} <= set(frame.columns):
+    return render_rows(frame.to_dict("records"))
+
+
+def render_rows(rows: Sequence[Mapping[str, Any]]) -> str:
+    """`render(frame, 'table')` of the frame's records, without pandas: a text table, step and steps as
+    one 'step' cell (12/40)."""
+    if rows and {"step", "steps"} <= set(rows[0]):
         rows = [{k: (_progress(row["step"], row["steps"]) if k == "step" else v)
                  for k, v in row.items() if k != "steps"} for row in rows]
     return text_table(rows)

@@ -1,16 +1,19 @@
 """Tables of several runs at once, each row from its `JobHandle`: their metrics (`runs_frame`, a sweep's
 results), their status (`status_frame`, what `taehv status` prints) and Slurm's accounting of every
-attempt (`accounting_frame`)."""
+attempt (`accounting_frame`). The status table (`status_table`) is built without pandas; the frames
+import it when called."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.reports import final_row, memory_bytes, render
+from taehv_slurm.reports import final_row, memory_bytes, render_rows
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def runs_frame(handles: Sequence[JobHandle | str], columns: Sequence[str] = (), *,
@@ -20,6 +23,8 @@ def runs_frame(handles: Sequence[JobHandle | str], columns: Sequence[str] = (), 
     handles: JobHandles, or job ids with `job_dir`. final=True keeps one row per run: its last train row
     (with the last validation values beside it) — a sweep's results table.
     """
+    import pandas as pd
+
     parts = []
     for item in handles:
         handle = item if isinstance(item, JobHandle) else JobHandle.attach(item, job_dir or "runs")
@@ -40,6 +45,8 @@ def accounting_frame(handles: Sequence[JobHandle]) -> pd.DataFrame:
     run, attempt, state, exit code, elapsed, start, end, nodes, GPUs (AllocTRES gres/gpu; empty where the
     site does not account GPUs) and the largest step's MaxRSS in GB. Empty for runs without accounting
     (the local backend, a cluster without slurmdbd)."""
+    import pandas as pd
+
     rows = []
     for handle in handles:
         if not handle.backend.has_accounting:
@@ -66,11 +73,24 @@ def accounting_frame(handles: Sequence[JobHandle]) -> pd.DataFrame:
 
 def status_frame(handles: Sequence[JobHandle]) -> pd.DataFrame:
     """One status row per run (`JobHandle.summary`), swept values as columns, note last."""
+    import pandas as pd
+
     rows = [h.summary() for h in handles]
-    columns = list(dict.fromkeys(k for row in rows for k in row if k != "note")) + ["note"]
-    return pd.DataFrame(rows, columns=columns)
+    return pd.DataFrame(rows, columns=_status_columns(rows))
+
+
+def status_rows(handles: Sequence[JobHandle]) -> list[dict[str, Any]]:
+    """`status_frame`'s rows as dicts, every row with every column in its order (None where a run has no
+    value), without pandas."""
+    rows = [h.summary() for h in handles]
+    columns = _status_columns(rows)
+    return [{c: row.get(c) for c in columns} for row in rows]
+
+
+def _status_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(k for row in rows for k in row if k != "note")) + ["note"]
 
 
 def status_table(handles: Sequence[JobHandle]) -> str:
     """The runs as a left-aligned text table: one row per run, swept values as extra columns, note last."""
-    return render(status_frame(handles), "table")
+    return render_rows(status_rows(handles))

@@ -20,7 +20,7 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -272,11 +272,8 @@ SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "N
 
 
 def sacct_state(job_id: str) -> str | None:
-    frame = sacct_frame(job_id)
-    if frame.empty:
-        return None
-    rows = frame[frame["JobID"] == job_id]
-    return str(rows.iloc[-1]["State"]).split()[0] if not rows.empty else None
+    states = [r["State"] for r in sacct_records(job_id) if r["JobID"] == job_id]
+    return str(states[-1]).split()[0] if states else None
 
 
 def job_state(job_id: str) -> str | None:
@@ -284,33 +281,55 @@ def job_state(job_id: str) -> str | None:
     return squeue_state(job_id) or sacct_state(job_id)
 
 
-def sacct_frame(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS) -> pd.DataFrame:
-    """sacct output as a DataFrame (empty when accounting is unavailable).
+def sacct_records(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS) -> list[dict[str, Any]]:
+    """sacct's rows as dicts (none when accounting is unavailable), with `Attempt` and, where Elapsed is
+    asked for, `ElapsedSeconds`.
 
     With --duplicates every run of a requeued job is its own allocation record (State REQUEUED for all
-    but the last): `Attempt` numbers them, and `attrs['requeues']` counts the REQUEUED ones of `job_id`.
+    but the last): `Attempt` numbers them; a step carries its allocation's attempt.
     """
-    import pandas as pd
-
-    fields = list(dict.fromkeys(["JobID", "State", *fields]))
+    fields = _asked(fields)
     cmd = ["sacct", "-P", "-n", "--duplicates", "-o", ",".join(fields)]
     cmd += ["-j", job_id] if job_id else ["-S", "now-7days"]
     answer = run(cmd, timeout_s=30)
-    rows = [line.split("|") for line in (answer.output if answer.ok else "").splitlines() if line.strip()]
-    frame = pd.DataFrame([r for r in rows if len(r) == len(fields)], columns=fields)
+    lines = [line.split("|") for line in (answer.output if answer.ok else "").splitlines() if line.strip()]
+    records = [dict(zip(fields, values)) for values in lines if len(values) == len(fields)]
     runs: dict[str, int] = {}  # allocation records seen per job id (array tasks are their own jobs)
-    attempts = []
-    for jid in frame["JobID"]:
-        base = jid.split(".")[0]
-        if "." not in jid:  # an allocation record: the next attempt of that job
+    for record in records:
+        base = record["JobID"].split(".")[0]
+        if "." not in record["JobID"]:  # an allocation record: the next attempt of that job
             runs[base] = runs.get(base, -1) + 1
-        attempts.append(runs.get(base, 0))
-    frame["Attempt"] = attempts
-    if "Elapsed" in frame:
-        frame["ElapsedSeconds"] = frame["Elapsed"].map(elapsed_seconds)
-    is_alloc = ~frame["JobID"].str.contains(".", regex=False)
-    mine = frame["JobID"] == job_id if job_id else is_alloc
-    frame.attrs["requeues"] = int((mine & is_alloc & frame["State"].str.startswith("REQUEUED")).sum())
+        record["Attempt"] = runs.get(base, 0)
+        if "Elapsed" in record:
+            record["ElapsedSeconds"] = elapsed_seconds(record["Elapsed"])
+    return records
+
+
+def sacct_columns(fields: Sequence[str] = SACCT_FIELDS) -> list[str]:
+    """The columns of `sacct_records(job_id, fields)`: JobID, State, the other fields, Attempt and, where
+    Elapsed is asked for, ElapsedSeconds."""
+    asked = _asked(fields)
+    return [*asked, "Attempt", *(["ElapsedSeconds"] if "Elapsed" in asked else [])]
+
+
+def _asked(fields: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys(["JobID", "State", *fields]))
+
+
+def sacct_frame(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS,
+                records: Sequence[Mapping[str, Any]] | None = None) -> pd.DataFrame:
+    """sacct output as a DataFrame (empty when accounting is unavailable): `sacct_records`, or the
+    `records` given (read before). `attrs['requeues']` counts the REQUEUED allocation records of `job_id`
+    (of every job without one)."""
+    import pandas as pd
+
+    records = sacct_records(job_id, fields) if records is None else records
+    frame = pd.DataFrame(records, columns=sacct_columns(fields))
+    if not records:
+        frame["Attempt"] = frame["Attempt"].astype(float)  # as an empty column of attempts has always been
+    frame.attrs["requeues"] = sum(1 for r in records if "." not in r["JobID"]
+                                  and (r["JobID"] == job_id or not job_id)
+                                  and str(r["State"]).startswith("REQUEUED"))
     return frame
 
 

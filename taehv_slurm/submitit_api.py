@@ -12,9 +12,19 @@ setup.cfg pins submitit>=1.5,<1.6 so an untested release is not picked up silent
 
 from __future__ import annotations
 
-from submitit.core.submission import process_job
+from typing import Any
+
 from submitit.core.utils import FailedJobError, JobPaths
 from submitit.slurm.slurm import _convert_mem as convert_mem
 from submitit.slurm.slurm import _make_sbatch_string as make_sbatch_string
 
-__all__ = ["FailedJobError", "JobPaths", "convert_mem", "make_sbatch_string", "process_job"]
+__all__ = ["FailedJobError", "JobPaths", "convert_mem", "make_sbatch_string"]  # and process_job, below
+
+
+def __getattr__(name: str) -> Any:
+    """`process_job` on first use: its module imports numpy, which only a rank needs, not the CLI."""
+    if name == "process_job":
+        from submitit.core.submission import process_job
+
+        return process_job
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ from tests.slurm_testbed import REPO, Testbed, TestbedError
 
 # Three xdist workers share CI's two cores: one intra-op thread in each test process and in each process it
 # starts (torch otherwise starts one per core, and they only contend here). Set before anything imports torch.
-# Measured: the model, engine and bench-smoke tests took 15 % less CPU (docs/benchmarks.md, the suite).
+# Measured: the model, engine and bench-smoke tests took 15 % less CPU (docs/contributing.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TESTBED = Testbed(REPO / ".testbed", nodes=3)  # 3: a job of 2 nodes can be requeued without a failed one
@@ -29,7 +29,7 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
 
 # The modules that take longest (time limits, preemptions, world sizes, hangs: Slurm's clocks and most of
 # the CPU) run first, so the xdist workers end together instead of one finishing the longest module alone;
-# the rest keep their order. Set by `--durations` of whole runs (docs/benchmarks.md, the suite).
+# the rest keep their order. Set by `--durations` of whole runs (docs/contributing.md).
 LONGEST_FIRST = ("test_requeue.py", "test_any_world_size.py", "test_requeue_outcomes.py", "test_hangs.py",
                  "test_bench_smoke.py", "test_failures.py")
 

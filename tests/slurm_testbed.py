@@ -153,7 +153,7 @@ class Testbed:
         """Start munge, [MariaDB, slurmdbd,] slurmctld and the slurmds; return once every node is idle.
 
         A testbed already running in the same root with the same configuration (started by the CLI or an
-        earlier session) and healthy is kept as it is (`reused` is then true); anything else found there is
+        earlier test run) and healthy is kept as it is (`reused` is then true); anything else found there is
         stopped first and started clean. On failure, what was started is stopped again.
         """
         self._preflight()

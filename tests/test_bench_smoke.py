@@ -1,11 +1,13 @@
 """The benchmarks' --smoke modes (CPU, tiny sizes): they must keep running, so the GPU runs never rot.
 
-One test function per benchmark script.
+One test function per benchmark script, and one for bench/results/: every file there is in its index and
+backs a figure in docs/benchmarks.md, and every result file those name exists.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +107,17 @@ def test_requeue_signal_smoke(tmp_path: Path) -> None:
     assert resume["grad_accum"] == 2 and resume["effective_batch"] == 4
 
 
+def test_cli_latency_smoke(tmp_path: Path) -> None:
+    # A finished smoke job, then each command that only looks, timed against `python -c pass`; the dry run
+    # only where Slurm is (this test does not start the testbed).
+    _, result = run_smoke("cli_latency.py", tmp_path / "cli.json")
+    commands = [row["command"] for row in result["rows"]]
+    assert commands[0] == "python -c pass" and result["rows"][0]["ratio"] == 1
+    assert {"taehv status", "taehv status --all", "taehv logs JOB", "taehv cancel JOB"} <= set(commands)
+    assert set(commands) | set(result["skipped"]) >= {"taehv submit --nodes 8 --dry-run"}
+    assert all(row["median_s"] > 0 and not row["imports_torch"] for row in result["rows"])
+
+
 def test_goodput_model_recommends_shorter_intervals_at_scale(tmp_path: Path) -> None:
     out = tmp_path / "goodput.json"
     done = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_model.py"), "--out", str(out)],
@@ -115,3 +128,17 @@ def test_goodput_model_recommends_shorter_intervals_at_scale(tmp_path: Path) -> 
     intervals = [r["checkpoint_interval_min"] for r in rows]
     assert intervals == sorted(intervals, reverse=True)  # more GPUs, more failures: save more often
     assert all(r["ettr"] >= r["ettr_hourly_checkpoints"] for r in rows)  # the optimum beats hourly saves
+
+
+def test_every_result_file_is_indexed_and_backs_a_figure() -> None:
+    results = REPO / "bench" / "results"
+    files = {p.name for p in results.iterdir() if p.name != "README.md"}
+    named = re.compile(r"`([\w.-]+\.(?:json|txt|gz))`")
+    index = set(named.findall((results / "README.md").read_text()))
+    figures = set(named.findall((REPO / "docs" / "benchmarks.md").read_text()))
+    assert files - index == set(), "in bench/results/ but not in its README.md"
+    assert files - figures == set(), "in bench/results/ but backing no figure of docs/benchmarks.md"
+    assert (index | figures) - files == set(), "named, but not in bench/results/"
+    # <bench>_<gpu>_<date>_<commit>: gpu 'cpu', 'h200', '4xh200', ...
+    scheme = re.compile(r"[a-z0-9_]+_(cpu|(\d+x)?[a-z]+\d+)_\d{4}-\d{2}-\d{2}_[0-9a-f]{7,}(-dirty)?\.[a-z.]+")
+    assert [f for f in files if not scheme.fullmatch(f)] == []

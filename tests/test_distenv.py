@@ -76,7 +76,7 @@ def test_port_range_and_distinct_jobs() -> None:
 
 
 def test_one_node_sixteen_tasks_fails_with_the_fix() -> None:
-    # The guides' mistake: 2 nodes × 8 GPUs launched as 1 node × 16 processes.
+    # A common launch mistake: 2 nodes × 8 GPUs launched as 1 node × 16 processes.
     env = DistEnv(rank=9, local_rank=9, world_size=16, local_world_size=16, node_rank=0, num_nodes=1,
                   master_addr="n1", master_port=20000, job_id="1", source="slurm")
     with pytest.raises(DistributedSetupError) as err:

@@ -11,7 +11,7 @@ micro-batches per step under every `engine.compile_mode`, with validation and ch
   outputs or gradients shows at once). The config is calm (lr 2e-4 after 4 warmup steps) so that rounding
   is not amplified: measured on an H100 at 32 micro-batches, two runs of one mode ≤ 0.12 % apart at every
   step, the two modes ≤ 0.21 % (≤ 0.14 % in the test's own runs). With lr 1e-3 the loss spiked at step 2
-  and runs of ONE mode drifted 1.0-1.6 % apart by step 12 (docs/benchmarks.md);
+  and runs of ONE mode drifted 1.0-1.6 % apart by step 12 (on an H200);
 - a cancel mid-run (SIGTERM, as a preemption) saves the step and the same --name resumes from it;
 - ZeRO-2 (compiled) and ZeRO-3 (uncompiled) train it too;
 - the logged clips/s is the wall clock's, also with the slow-rank timing off (its sync once hid that

@@ -5,14 +5,19 @@
   which are handed to it; runtime/legacy.py, the one-release pickle alias, is the named exception);
 - the trainer imports the runtime and the shared modules, never the driver or the CLI;
 - a CLI command never imports another command; jobs/ only runs them;
-- no module over 500 lines, no function over 60, and the submit path imports no torch.
+- no module over 500 lines, no function over 60, and the submit path imports no torch;
+- the commands that only look or print (`submit --dry-run`, `status`, `logs`, `cancel`) import neither
+  pandas nor torch, so they answer at once (bench/cli_latency.py times them).
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,6 +122,93 @@ def test_the_submit_path_imports_no_torch() -> None:
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
                           timeout=120)
     assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+def a_finished_local_run(job_dir: Path) -> str:
+    """The files a finished 2-step run on the local backend leaves (registry line, events, metrics, the
+    controller's outcome, rank 0's log), written directly: no job runs. Returns its job id."""
+    from taehv_slurm.config import load_cluster
+
+    job_id, run_dir = "4242-abc123", job_dir / "done"
+    folder, now = run_dir / "submitit", time.time() - 60
+    folder.mkdir(parents=True)
+    record = {"event": "submitted", "time": now, "job_id": job_id, "run": "done",
+              "folder_rel": "done/submitit", "run_dir": str(run_dir), "folder": str(folder),
+              "backend": "local", "task": "TrainTask",
+              "submitted_at": now, "nodes": 1, "world_size": 1,
+              "cluster": load_cluster(REPO / "configs/cluster/local.yaml").masked(),
+              "train": {"steps": 2}, "plan": {"total_steps": 2}, "sweep": {}}
+    (job_dir / "registry.jsonl").write_text(json.dumps(record) + "\n")
+    events = [{"event": "start", "time": now + 5, "began": now + 1, "step": 0, "job_id": job_id,
+               "restart_count": 0},
+              {"event": "first_step", "time": now + 7, "step": 1, "seconds": 6.0, "job_id": job_id},
+              {"event": "finished", "time": now + 9, "step": 2, "job_id": job_id}]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    metrics = [{"step": s, "time": now + 5 + 2 * s, "loss": 1.0 / s} for s in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (folder / f"{job_id}_local.json").write_text(json.dumps({"state": "COMPLETED", "job_id": job_id}))
+    (folder / f"{job_id}_0_log.out").write_text("train step 2/2 loss 0.5\n")
+    return job_id
+
+
+def test_the_commands_that_only_look_import_neither_pandas_nor_torch(tmp_path: Path) -> None:
+    job_dir = tmp_path / "runs"
+    job = a_finished_local_run(job_dir)
+    commands = [["submit", "--cluster", "configs/cluster/h100_8gpu.yaml", "--nodes", "8", "--dry-run",
+                 "--skip-data-checks"],
+                ["status", "--job-dir", str(job_dir)], ["status", "--all", "--job-dir", str(job_dir)],
+                ["logs", job, "--job-dir", str(job_dir)], ["cancel", job, "--job-dir", str(job_dir)]]
+    # Each command in a fresh process; Slurm's presence is taken as given (the dry run asks sinfo first).
+    probe = ("import contextlib, io, json, sys\n"
+             "import taehv_slurm.slurm as slurm\n"
+             "slurm.no_slurm_reason = lambda probe=False: None\n"
+             "from taehv_slurm.cli import main\n"
+             "out = io.StringIO()\n"
+             "with contextlib.redirect_stdout(out):\n"
+             "    code = main(json.loads(sys.argv[1]))\n"
+             "print(json.dumps({'code': code, 'out': out.getvalue(),\n"
+             "                  'loaded': [m for m in ('pandas', 'torch') if m in sys.modules]}))\n")
+    outputs = []
+    for argv in commands:
+        done = subprocess.run([sys.executable, "-c", probe, json.dumps(argv)], capture_output=True, text=True,
+                              cwd=REPO, timeout=120)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        result = json.loads(done.stdout.splitlines()[-1])
+        assert result["code"] in (0, None), (argv, result)
+        assert result["loaded"] == [], f"taehv {argv[0]} imported {' and '.join(result['loaded'])}"
+        outputs.append(result["out"])
+    dry_run, status, status_all, logs, cancel = outputs
+    assert "#SBATCH --nodes=8" in dry_run
+    for table in (status, status_all):  # the run's row, its goodput (ETTR) included
+        assert job in table and "COMPLETED" in table and "2/2" in table and "ettr" in table
+    assert "train step 2/2" in logs and "already ended" in cancel
+
+
+def test_the_design_map_names_every_module() -> None:
+    """docs/design.md's table of where code runs names every module of its folder (in backticks)."""
+    design = (REPO / "docs" / "design.md").read_text()
+    rows = {line.split("|")[1].strip(): line for line in design.splitlines()
+            if line.startswith("| `taehv_slurm/")}
+    missing = []
+    for folder in ("", "runtime/", "trainer/", "cli/"):
+        row = rows.get(f"`taehv_slurm/{folder}`" + (" (driver)" if not folder else ""), "")
+        missing += [f"taehv_slurm/{folder}{p.name}" for p in modules(PACKAGE / folder)
+                    if p.stem not in ("__init__", "__main__") and f"`{p.stem}`" not in row]
+    assert not missing, f"docs/design.md does not place: {missing}"
+
+
+def test_the_docs_cite_only_tests_that_exist() -> None:
+    """Every `tests/test_x.py::test_name` in README.md and docs/*.md names a test function of that file."""
+    cited = re.compile(r"tests/(test_\w+)\.py::(\w+)")
+    missing = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for module, name in cited.findall(doc.read_text()):
+            path = REPO / "tests" / f"{module}.py"
+            names = ({n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+                     if path.exists() else set())
+            if name not in names:
+                missing.append(f"{doc.relative_to(REPO)}: tests/{module}.py::{name}")
+    assert not missing, "\n".join(missing)
 
 
 def test_ruff_is_clean_at_the_configured_line_length() -> None:

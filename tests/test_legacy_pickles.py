@@ -1,5 +1,5 @@
-"""A job queued by the previous release (0.1) still runs after an upgrade: its pickle names the old
-modules (`trainer.train.TrainTask`, `taehv_slurm.requeue.RequeueableTask`, no backend object), and the
+"""A job queued under the old module names (earlier 0.1.0 code) still runs after an update: its pickle names
+the old modules (`trainer.train.TrainTask`, `taehv_slurm.requeue.RequeueableTask`, no backend object), and the
 entry point resolves them (taehv_slurm/runtime/legacy.py) — even beside a user's own `trainer.py`."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.security import make_private_dir
 from tests.helpers import LOCAL_TASK_ENV, REPO, tiny_train
 
-# Written the way 0.1 wrote it: the classes pickled by reference under their 0.1 module names.
+# Written the way the old code wrote it: the classes pickled by reference under their old module names.
 PICKLE_AS_0_1 = """
 import json, sys, types
 from submitit.helpers import DelayedSubmission
@@ -27,7 +27,7 @@ task.TrainTask.__module__ = "trainer.train"
 requeue.RequeueableTask.__module__ = "taehv_slurm.requeue"
 train, run_dir, pickle = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 wrapped = requeue.RequeueableTask(task.TrainTask(train, {"device": "cpu", "torch_threads": 1}), run_dir)
-del wrapped.backend  # 0.1 read the backend from SUBMITIT_EXECUTOR when the job ran
+del wrapped.backend  # the old code read the backend from SUBMITIT_EXECUTOR when the job ran
 DelayedSubmission(wrapped).dump(pickle)
 """
 

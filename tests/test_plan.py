@@ -109,7 +109,7 @@ def test_1000_gpus(real) -> None:
 
 def test_explicit_accumulation(real) -> None:
     plan = plan_for(1, 8, load_train(real.to_dict(), **{"batch.grad_accum": 2}))
-    assert (plan.per_gpu_batch, plan.grad_accum) == (8, 2)  # the guides' 8-GPU split, asked for explicitly
+    assert (plan.per_gpu_batch, plan.grad_accum) == (8, 2)  # 8 a GPU × 2 accumulations, as asked
     check_split(plan)
     uneven = plan_for(3, 8, load_train(real.to_dict(), **{"batch.grad_accum": 2}))
     assert uneven.microbatch_sizes(0) == [3, 3] and uneven.microbatch_sizes(23) == [3, 2]

@@ -1,4 +1,4 @@
-"""Issue 11, safe on a shared cluster (1 of 2): private folders, and nothing loaded that others could write.
+"""Safe on a shared cluster (1 of 2): private folders, and nothing loaded that others could write.
 
 Real files and modes, a real unprivileged user, a real Slurm job: the folders the library makes are private
 (or shared read-only with a group), and the job's entry point, submit() and the checkpointer refuse a pickle

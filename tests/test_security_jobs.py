@@ -1,4 +1,4 @@
-"""Issue 11, safe on a shared cluster (2 of 2): secrets and files of real Slurm jobs, a bounded rendezvous.
+"""Safe on a shared cluster (2 of 2): secrets and files of real Slurm jobs, a bounded rendezvous.
 
 Secrets reach a job only through its environment, never a file; what a real job writes is private (or
 group-readable only); ranks rendezvous within bounded timeouts, each job on a port of its own.

@@ -174,8 +174,8 @@ def test_a_damaged_weights_file_is_one_line_naming_the_folder(tmp_path: Path) ->
 def test_the_compiled_teacher_gives_the_published_encoders_latents_on_a_gpu(tmp_path: Path) -> None:
     """What `jobs.prepare` runs (Teacher.compile: channels-last, Inductor) against diffusers' eager encoder,
     both in bf16, HunyuanVideo's default architecture read from a diffusers folder. At 13×480×720 the two
-    differ by 1.4 % of the largest latent, compiling diffusers' encoder unchanged by 2.5 %
-    (docs/benchmarks.md)."""
+    differed by 1.4 % of the largest latent when the encoder was rewritten, compiling diffusers' encoder
+    unchanged by 2.5 % (one H100)."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     with torch.device(device):

@@ -2,7 +2,7 @@
 
     taehv submit|status|logs|cancel|export|prepare|preflight|launch ...
     python -m taehv_slurm submit ...          # the same, without the console script
-    python -m jobs.submit ...                 # from a checkout, as the design card has it (jobs/ shims)
+    python -m jobs.submit ...                 # the same, from a checkout (the jobs/ shims)
 
 Every message that names one of our commands names it the way the user ran this one: the style is
 kept in the environment (TAEHV_CLI), so jobs submitted from here say it the same way.

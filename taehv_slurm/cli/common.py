@@ -89,44 +89,52 @@ def terminate_as_interrupt() -> Iterator[None]:
 
 
 def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
-    """Print known user errors as `error: ...` and exit 2; everything else keeps its traceback."""
+    """Print known user errors as `error: ...` and exit 2; everything else keeps its traceback. The error
+    classes are imported only when something was raised: a command that succeeds loads none of the modules
+    they live in."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        from taehv_slurm.checks import ChecksFailedError
-        from taehv_slurm.config import ConfigError
-        from taehv_slurm.executor import SubmissionError
-        from taehv_slurm.picklecheck import UnpicklableTaskError
-        from taehv_slurm.registry import UnknownJobError
-        from taehv_slurm.runtime.checkpoint import CheckpointError
-        from taehv_slurm.runtime.distenv import DistributedSetupError
-        from taehv_slurm.security import UnsafePathError
-        from taehv_slurm.submission import RunBusyError
-
         warnings.showwarning = _one_line_warning
         try:
             return main(*args, **kwargs)
-        except ChecksFailedError as err:  # every problem of the submit, one line each
-            for problem in err.problems:
-                print(f"error: {problem}", file=sys.stderr)
-            return 2
-        except (ConfigError, DistributedSetupError, SubmissionError, UnknownJobError, UnsafePathError,
-                CheckpointError, FileNotFoundError, UnpicklableTaskError, RunBusyError) as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        except OSError as err:  # a folder the CLI creates or writes (job_dir, run folders): read-only,
-            # no permission
-            if err.filename is None:
-                raise
-            print(f"error: {err.filename}: {err.strerror}; check that path and its permissions "
-                  "(run folders go under job_dir in the cluster config: --set job_dir=DIR on storage every "
-                  "node sees)", file=sys.stderr)
-            return 2
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
+        except Exception as err:
+            from taehv_slurm.checks import ChecksFailedError
+
+            if isinstance(err, ChecksFailedError):  # every problem of the submit, one line each
+                for problem in err.problems:
+                    print(f"error: {problem}", file=sys.stderr)
+                return 2
+            if isinstance(err, _user_errors()):
+                print(f"error: {err}", file=sys.stderr)
+                return 2
+            if isinstance(err, OSError) and err.filename is not None:
+                # a folder the CLI creates or writes (job_dir, run folders): read-only, no permission
+                print(f"error: {err.filename}: {err.strerror}; check that path and its permissions "
+                      "(run folders go under job_dir in the cluster config: --set job_dir=DIR on storage "
+                      "every node sees)", file=sys.stderr)
+                return 2
+            raise
 
     return wrapper
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors a user's input or environment causes, which the commands print in one line."""
+    from taehv_slurm.config import ConfigError
+    from taehv_slurm.executor import SubmissionError
+    from taehv_slurm.picklecheck import UnpicklableTaskError
+    from taehv_slurm.registry import UnknownJobError
+    from taehv_slurm.runtime.checkpoint import CheckpointError
+    from taehv_slurm.runtime.distenv import DistributedSetupError
+    from taehv_slurm.security import UnsafePathError
+    from taehv_slurm.submission import RunBusyError
+
+    return (ConfigError, DistributedSetupError, SubmissionError, UnknownJobError, UnsafePathError,
+            CheckpointError, FileNotFoundError, UnpicklableTaskError, RunBusyError)
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:

@@ -17,14 +17,12 @@ import argparse
 import os
 import sys
 
-import pandas as pd
-
 from taehv_slurm.cli.common import add_job_dir, one_line_errors
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.messages import command
 from taehv_slurm.registry import read_registry
 from taehv_slurm.reports import render
-from taehv_slurm.runs import accounting_frame, status_frame
+from taehv_slurm.runs import accounting_frame, status_frame, status_table
 
 
 @one_line_errors
@@ -51,7 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     if not handles:
         print(f"no runs in {os.path.join(args.job_dir, 'registry.jsonl')} yet")
         return 0
+    if not (args.goodput or args.accounting) and args.format == "table":
+        print(status_table(handles))  # text only: no pandas
+        return 0
     if args.goodput:
+        import pandas as pd
+
         frame = pd.concat([h.goodput().assign(job_id=h.job_id, run=h.name) for h in handles],
                           ignore_index=True)
     else:

@@ -217,7 +217,7 @@ class Checkpointer:
             raise CheckpointError(f"cannot load checkpoint {folder}: meta.json is damaged; "
                                   "delete that folder to "
                                   "resume from an older one", cause="meta.json is damaged") from None
-        # Checkpoints written before 0.2 have no checksums: they load as before.
+        # Checkpoints from before checksums were recorded (earlier 0.1.0 code) have none: they load as before.
         for name, expected in (meta.get("files") or {}).items():
             if (problem := _mismatch(folder / name, expected)) is not None:
                 raise CheckpointError(f"cannot load checkpoint {folder}: {problem}; delete that folder to "

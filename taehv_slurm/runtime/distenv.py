@@ -298,7 +298,8 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
     if use_cuda and backend == "nccl" and env.world_size > 1:
         # Connect NCCL now, so a rank that cannot fails here rather than at its first step. Not for one rank:
         # it runs none of our collectives (each is skipped at world size 1; DeepSpeed's connect on first use),
-        # and its communicator took ~1 s of every start (docs/benchmarks.md, the start of every attempt).
+        # and connecting its communicator would only lengthen every start (by about a second in a profile
+        # of a warm start on an H200).
         kwargs["device_id"] = torch.device("cuda", env.local_rank)
     dist.init_process_group(
         backend=backend,

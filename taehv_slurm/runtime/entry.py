@@ -11,7 +11,7 @@ nothing deleted — and only then hands over to submitit. RUN_DIR is the folder 
 passes its run folder); without it, FOLDER itself (an executor folder made with `make_executor`).
 
 A task that raises exits 1 with its traceback printed once (submitit re-raises what it already logged).
-A pickle written by the previous release (its modules had other names) still loads (`legacy`).
+A pickle written under the old module names (earlier 0.1.0 code) still loads (`legacy`).
 With `--after STATUS` it runs once more where the ranks were started from, after all of them ended
 (the sbatch script's teardown, the local controller): the task's `after_ranks`.
 """

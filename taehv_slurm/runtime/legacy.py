@@ -1,11 +1,13 @@
-"""Pickles of jobs queued by the previous release (0.1), whose modules had other names: for one release.
+"""Pickles of jobs queued under the old module names: until the next minor release.
 
-A job submitted before an upgrade and started (or requeued) after it holds a pickle that names
+Within version 0.1.0 the modules moved (top-level `trainer/` and flat `taehv_slurm/*.py` became
+`taehv_slurm/trainer/` and `taehv_slurm/runtime/`). A job submitted before an update and started (or
+requeued) after it holds a pickle that names
 `trainer.train.TrainTask`, `taehv_slurm.requeue.RequeueableTask`, ... The entry point installs
 `install()`'s finder before submitit loads the pickle: each old module name resolves to the module that
 holds the class now, and an old `RequeueableTask` gets its backend object from the backend it ran on.
 Nothing else sees these names (the finder is only installed in the job's own process), so a user's own
-`trainer.py` is never shadowed outside it. Remove in 0.3.
+`trainer.py` is never shadowed outside it. Remove at the next minor release (0.2).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ MODULES = {
 
 
 class RequeueableTask(_RequeueableTask):
-    """A 0.1 pickle's RequeueableTask: its backend was the name in SUBMITIT_EXECUTOR, now an object."""
+    """An old pickle's RequeueableTask: its backend was the name in SUBMITIT_EXECUTOR, now an object."""
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "backend" not in state:

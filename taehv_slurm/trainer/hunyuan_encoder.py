@@ -2,7 +2,7 @@
 
 Why our own module: on every rank that loads a teacher, `import diffusers` took 9–10 s on an H100 machine
 (it imports every autoencoder, the UNet blocks, its transformer models and Hugging Face transformers; the
-teacher needs none of them), about 40 % of `jobs.prepare`'s start to first shard (docs/benchmarks.md). This
+teacher needs none of them; docs/benchmarks.md). This
 module is the encoder alone: the same parameter names as diffusers' `AutoencoderKLHunyuanVideo` (its
 `encoder.*` and `quant_conv.*` weights load unchanged from `diffusion_pytorch_model.safetensors`), the same
 math, tested against diffusers' own latents (tests/test_teacher.py). Its computation differs from diffusers'

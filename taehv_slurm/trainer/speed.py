@@ -117,9 +117,9 @@ def mfu(clips_per_s_per_gpu: float, flops_per_clip: float, peak: float | None) -
 
 # Dynamo records the model's `torch.autocast(enabled=False)` blocks (its weights composed in fp32, layers.py)
 # as calls of these two functions. torch >= 2.12 no longer counts them safe for its AOT autograd cache, which
-# then bypassed the whole training graph: every start traced the joint graph again (docs/benchmarks.md, the
-# start of every attempt). What they do is fixed by their constant arguments, which are part of the graph and
-# so of the cache key.
+# then bypassed the whole training graph: every start traced the joint graph again (docs/benchmarks.md: the
+# compiled student's warm start on CPU). What they do is fixed by their constant arguments, which are part of
+# the graph and so of the cache key.
 AUTOCAST_IN_GRAPH = ("torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast")
 
 
