@@ -33,9 +33,9 @@ for part in "$@"; do
   case $part in
     cluster) tests -k own_share ;;
     scaling) timeout "${LIMIT:-450}" python3 bench/slurm_scaling.py --shapes "${SHAPES:-1x1,1x$per_node,2x1,2x$per_node}" \
-               --out "$out/slurm_scaling.json" 2>&1 | tee "$out/scaling.log" | grep -v Warning | tail -25 ;;
+               --out "$out/" 2>&1 | tee "$out/scaling.log" | grep -v Warning | tail -25 ;;
     engines) timeout "${LIMIT:-400}" python3 bench/slurm_scaling.py --shapes "2x$per_node" --skip-shapes \
-               --engines zero1,zero2,zero3 --out "$out/slurm_engines.json" 2>&1 | tee "$out/engines.log" | tail -12 ;;
+               --engines zero1,zero2,zero3 --out "$out/" 2>&1 | tee "$out/engines.log" | tail -12 ;;
     tests) tests -k "not own_share and not fault" ;;
     faults) tests -k fault ;;
   esac

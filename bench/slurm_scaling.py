@@ -219,8 +219,11 @@ def main() -> None:
         r["scaling"] = r["clips_per_s_per_gpu"] / base if base and r["clips_per_s_per_gpu"] else None
         if r["engine_asked"] != "auto" and auto.get(r["shape"]) and r["clips_per_s_per_gpu"]:
             r["vs_plan_engine"] = r["clips_per_s_per_gpu"] / auto[r["shape"]]
-    info = run_info(not args.smoke, cluster=args.cluster, command=sys.argv)
-    write_results(args.out, "slurm_scaling.json", {**info, "prepare": prepare, "shapes": rows})
+    cluster = Path(args.cluster).resolve()
+    info = run_info(not args.smoke, command=" ".join(sys.argv[1:]),
+                    cluster=str(cluster.relative_to(REPO)) if cluster.is_relative_to(REPO) else str(cluster))
+    write_results(args.out, "slurm_scaling", {**info, "prepare": prepare, "shapes": rows},
+                  gpus=max(r["nodes"] * r["gpus_per_node"] for r in rows))
     print_table(rows, prepare)
 
 

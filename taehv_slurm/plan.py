@@ -24,12 +24,14 @@ from typing import Any
 from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_train
 from taehv_slurm.messages import command
 
-# Throughput of each engine relative to allreduce (plain data parallelism), measured on H200s
-# (docs/benchmarks.md): 2 GPUs, a TAEHV-shaped model (ZeRO-2 −7 %, ZeRO-3 −18 %), and 1 GPU with our model
-# (ZeRO-2 −30 %); our model on 4 GPUs: ZeRO-2 −25 %, ZeRO-3 −61 %, the same order. ZeRO buys no memory worth
-# its cost for an 11 M-parameter model, so the plan prefers allreduce and moves to ZeRO only when parameters
-# + optimizer states do not fit.
-ENGINE_RELATIVE_SPEED = {"allreduce": 1.0, "zero1": 0.95, "zero2": 0.93, "zero3": 0.82}
+# The engines in the order the plan prefers them when several fit: the fewest collectives and gathers per
+# step first. ZeRO buys no memory worth its cost for an 11 M-parameter model, so the plan takes allreduce
+# (plain data parallelism) and moves to ZeRO only when parameters + optimizer states do not fit.
+ENGINES = ("allreduce", "zero1", "zero2", "zero3")
+# Clips/s per GPU of an engine against allreduce's, measured with this model through `taehv submit --local
+# --gpus-per-node 4 --set engine.kind=E` (configs/train/taehv.yaml on prepared shards) on 4 H200s of one host:
+# 62.7 / 47.3 / 24.3 clips/s per GPU (docs/benchmarks.md). ZeRO-1 was not measured: the plan prints no figure.
+MEASURED_ENGINE_SPEED = {"zero2": 47.3 / 62.7, "zero3": 24.3 / 62.7}
 # Engines that torch.compile their step where engine.compile is on (GPUs). ZeRO-3 gathers each partitioned
 # weight when it is read; the model composes weights from several layers outside those layers' calls, so
 # the compiler traces the partitions instead (on an H200 the compiled ZeRO-3 step failed at its first
@@ -204,9 +206,9 @@ def _choose_engine(cfg: TrainConfig, world: int, per_gpu: int, act_gb: float,
                    gpu_memory_gb: float | None) -> tuple[str, str, float]:
     """(engine, why, its state GB per GPU): the configured one if it fits, else the fastest that fits
     (`gpu_memory_gb` None: no GPU memory limit, as on CPUs)."""
-    states_gb = {name: _state_bytes(name, cfg, world) / 1e9 for name in ENGINE_RELATIVE_SPEED}
+    states_gb = {name: _state_bytes(name, cfg, world) / 1e9 for name in ENGINES}
     fits = {e: gpu_memory_gb is None or states_gb[e] + act_gb <= gpu_memory_gb * GPU_MEMORY_HEADROOM
-            for e in ENGINE_RELATIVE_SPEED}
+            for e in ENGINES}
     if cfg.engine.kind != "auto":
         engine = cfg.engine.kind
         if not fits[engine]:
@@ -216,16 +218,15 @@ def _choose_engine(cfg: TrainConfig, world: int, per_gpu: int, act_gb: float,
                 "or set engine.kind: auto"
             )
         return engine, "set in the config", states_gb[engine]
-    fitting = [e for e in ENGINE_RELATIVE_SPEED if fits[e]]
+    fitting = [e for e in ENGINES if fits[e]]
     if not fitting:
         raise ConfigError(
             f"no engine fits {gpu_memory_gb:.0f} GB per GPU at per-GPU batch {per_gpu} "
             f"(activations ≈{act_gb:.0f} GB): lower batch.per_gpu or enable engine.activation_checkpointing"
         )
-    engine = max(fitting, key=lambda e: ENGINE_RELATIVE_SPEED[e])
-    slower = ", ".join(f"{e} {100 * (ENGINE_RELATIVE_SPEED[e] - 1):+.0f} %" for e in ENGINE_RELATIVE_SPEED
-                       if e != engine)
-    reason = (f"fastest that fits; measured vs allreduce: {slower}" if engine == "allreduce"
+    engine = fitting[0]
+    measured = ", ".join(f"{e} {100 * (MEASURED_ENGINE_SPEED[e] - 1):+.0f} %" for e in MEASURED_ENGINE_SPEED)
+    reason = (f"fastest that fits; measured vs allreduce on 4 H200s: {measured}" if engine == "allreduce"
               else f"allreduce does not fit; {engine} does")
     return engine, reason, states_gb[engine]
 

@@ -118,6 +118,21 @@ def test_cli_latency_smoke(tmp_path: Path) -> None:
     assert all(row["median_s"] > 0 and not row["imports_torch"] for row in result["rows"])
 
 
+def test_slurm_scaling_smoke(slurm_cluster, tmp_path: Path) -> None:
+    # On the CPU testbed: the data prepared through `taehv prepare` on 2 nodes, then one training run over
+    # them, with its steady clips/s and the NCCL variables read from its ranks' processes (none on CPU).
+    out = tmp_path / "scaling.json"
+    argv = ["bench/slurm_scaling.py", "--smoke", "--shapes", "2x1", "--work", str(tmp_path / "work"),
+            "--out", str(out)]
+    run = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["prepare"]["shape"] == "2x1" and result["prepare"]["prepare_shards"] >= 1
+    (row,) = result["shapes"]
+    assert row["exit"] == 0 and row["clips_per_s_per_gpu"] > 0 and row["steps_measured"] >= 1
+    assert len({rank["host"] for rank in row["ranks_seen"].values()}) == 2  # one rank on each of two nodes
+
+
 def test_goodput_model_recommends_shorter_intervals_at_scale(tmp_path: Path) -> None:
     out = tmp_path / "goodput.json"
     done = subprocess.run([sys.executable, str(REPO / "bench" / "goodput_model.py"), "--out", str(out)],

@@ -9,7 +9,7 @@ Marked `gpu_cluster`: skipped where this host has fewer than 2 GPUs (CI). On a m
         python -m pytest -m gpu_cluster -n 0 -p no:cacheprovider tests/test_gpu_cluster.py
 
 - each node's tasks get that node's GPUs, and the nodes' GPUs are all of the host's, none twice;
-- the seeds' failures, for real: more tasks per node than the node has GPUs is refused by Slurm with one line
+- the classic launch mistakes, for real: more tasks per node than the node has GPUs is refused by Slurm with one line
   naming the fix; 2 × N ranks launched as 1 × 2N (the mismatch allowed on purpose) fails at its first rank
   without a GPU with one line naming the launch, not CUDA's "invalid device ordinal";
 - a 2-node training crosses hosts: NCCL connects the nodes through NET/Socket and the GPUs of one node through

@@ -4,6 +4,7 @@ memory, loader by the measured per-worker rates, NCCL by node count."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -16,6 +17,7 @@ from taehv_slurm.plan import (
     plan_for,
     taehv_param_count,
 )
+from tests.helpers import REPO
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +175,16 @@ def test_loader_workers_come_from_the_measured_rate_and_the_cores(real, source: 
 def test_shipped_config_is_not_loader_bound_with_12_cores_per_gpu(real) -> None:
     plan = plan_for(1, 8, real, cpus_per_task=12)  # configs/cluster/h100_8gpu.yaml
     assert plan.notes == [] and plan.num_workers >= 1
+
+
+def test_the_plan_prints_only_engine_figures_measured_with_this_model(real) -> None:
+    """The engine comparison the plan prints is the 4-GPU measurement docs/benchmarks.md gives (clips/s per
+    GPU of all-reduce, ZeRO-2, ZeRO-3), and nothing for an engine nobody measured (ZeRO-1)."""
+    doc = (REPO / "docs/benchmarks.md").read_text()
+    allreduce = float(re.search(r"/ ([\d.]+) clips/s per GPU at 1 / 2 / 4 GPUs", doc)[1])
+    zero2, zero3 = map(float, re.search(r"ZeRO-2 / ZeRO-3 at 4 GPUs: ([\d.]+) / ([\d.]+) clips/s",
+                                        doc).groups())
+    reason = plan_for(2, 8, real).engine_reason
+    expected = f"zero2 {100 * (zero2 / allreduce - 1):+.0f} %, zero3 {100 * (zero3 / allreduce - 1):+.0f} %"
+    assert reason.endswith(expected), reason
+    assert "zero1" not in reason
