@@ -1,8 +1,8 @@
-"""Typed configuration: cluster YAML → `ClusterConfig`, training YAML → `TrainConfig`.
+"""Typed configuration: cluster YAML → `ClusterConfig`, training YAML → `TrainConfig`, and loading both.
 
-The schemas and their validation live here; reading them (YAML or a dict, `--set key=value`
-overrides, every problem as one `ConfigError` line naming the file or flag and the fix) is
-taehv_slurm.typed_yaml's.
+The cluster schema and its validation live here, the training schema in taehv_slurm.train_config (its
+names are importable from here too); reading them (YAML or a dict, `--set key=value` overrides, every
+problem as one `ConfigError` line naming the file or flag and the fix) is taehv_slurm.typed_yaml's.
 """
 
 from __future__ import annotations
@@ -13,14 +13,31 @@ import importlib.resources
 import importlib.util
 import os
 import re
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from taehv_slurm.machine import gpu_memory_here, gpus_here
-from taehv_slurm.typed_yaml import ConfigError, load_typed
+from taehv_slurm.train_config import (  # noqa: F401  (re-exported: the schema's names, from one module)
+    TEACHER_KINDS,
+    VIDEO_EXTENSIONS,
+    BatchConfig,
+    DataConfig,
+    DivergenceConfig,
+    EngineConfig,
+    IntervalConfig,
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    TeacherConfig,
+    TeacherKind,
+    TrackingConfig,
+    TrainConfig,
+    missing_engine_package,
+    missing_tracker_package,
+)
+from taehv_slurm.typed_yaml import ConfigError, check, load_typed
 
 # sbatch --signal: "the signal may be sent up to 60 seconds earlier than specified" (slurmctld checks
 # time limits periodically).
@@ -33,12 +50,6 @@ SIGNAL_DELAY_MIN_S = 30
 # *APIKEY*, *API_KEY*, *ACCESS_KEY*, *PRIVATE_KEY*, *CREDENTIAL*, and names ending in KEY (WANDB_KEY).
 _SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|(^|_)PASS$|API_?KEY|ACCESS_KEY|PRIVATE_KEY"
                           r"|CREDENTIAL|(^|_)KEY$)", re.I)
-
-# What the data and teacher settings accept (checked here, used by the trainer, preflight and taehv prepare).
-VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
-TeacherKind = Literal["none", "hunyuanvideo", "cogvideox", "wan"]
-# the video VAEs (none: latents from shards)
-TEACHER_KINDS: tuple[str, ...] = typing.get_args(TeacherKind)[1:]
 
 # Backends whose jobs run on the submitting machine (one node); the others are cluster schedulers.
 MACHINE_BACKENDS = frozenset({"local", "debug"})
@@ -69,24 +80,6 @@ class RuntimeSettings:
         return value if isinstance(value, RuntimeSettings) else cls(**dict(value or {}))
 
 
-def missing_engine_package(engine: str) -> str | None:
-    """One line naming how to install what the engine needs when this interpreter lacks it, else None:
-    the ZeRO engines need DeepSpeed, an optional extra (the default all-reduce engine needs none)."""
-    if not engine.startswith("zero") or importlib.util.find_spec("deepspeed") is not None:
-        return None
-    return (f"engine {engine} needs DeepSpeed, which is not installed here: after torch, run pip install "
-            "--no-build-isolation 'taehv-slurm[deepspeed]' (DeepSpeed builds from source), "
-            "or set engine.kind: allreduce")
-
-
-def missing_tracker_package(tracking: TrackingConfig) -> str | None:
-    """One line naming how to install the trackers the config turns on when this interpreter lacks them."""
-    missing = [m for m in ("wandb", "mlflow") if getattr(tracking, m) and importlib.util.find_spec(m) is None]
-    off = ", ".join(f"tracking.{m}: false" for m in missing)
-    return (f"tracking.{' and tracking.'.join(missing)}: {' and '.join(missing)} not installed here: "
-            f"pip install 'taehv-slurm[trackers]', or set {off}" if missing else None)
-
-
 @dataclass
 class ClusterConfig:
     """Where and how a job runs. Each field reaches the sbatch script or the job's environment."""
@@ -115,6 +108,13 @@ class ClusterConfig:
     max_requeues_without_progress: int = 2  # consecutive restarts that end at the step they began
     requeue_on_failure: bool = True  # a crashed rank requeues the job (within the limits above)
     exclude_failed_nodes: bool = True  # a node whose rank was killed or hung is left out of the next attempts
+    # After a rank failed, hung or was killed, the job starts its ranks again inside its allocation (on the
+    # healthy nodes, a spare in a failed node's place) instead of going back to the queue; false: requeue.
+    restart_in_allocation: bool = True
+    spare_nodes: int = 0  # nodes asked beyond `nodes`: each can take a failed node's place
+    # The fewest nodes a run may go on with, at the same effective batch, when a node fails and no spare is
+    # left (None: `nodes`, never fewer); a requeue returns it to `nodes`.
+    min_nodes: int | None = None
     # Every rank's watchdog (docs/failures.md): a section (step, data, validation, save) that runs longer
     # than max(hang_floor_s, hang_factor x the slowest time seen in it) is a hang; hang_uncalibrated_s
     # until it has seen enough of the section. heartbeat_s: how often each rank records its progress.
@@ -162,6 +162,11 @@ class ClusterConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * int(self.tasks_per_node or 1)
+
+    @property
+    def fewest_nodes(self) -> int:
+        """The fewest nodes the run goes on with after a node fails (`min_nodes`, else `nodes`)."""
+        return self.min_nodes or self.nodes
 
     @property
     def gres_request(self) -> str | None:
@@ -215,27 +220,27 @@ class ClusterConfig:
         return dataclasses.replace(self, env=self.public_env())
 
     def validate(self, source: str = "cluster config") -> ClusterConfig:
-        _check(self.nodes >= 1, source, f"nodes must be ≥ 1, got {self.nodes} (set nodes: 1 or more)")
-        _check(self.gpus_per_node >= 0, source, f"gpus_per_node must be ≥ 0, got {self.gpus_per_node}")
+        check(self.nodes >= 1, source, f"nodes must be ≥ 1, got {self.nodes} (set nodes: 1 or more)")
+        check(self.gpus_per_node >= 0, source, f"gpus_per_node must be ≥ 0, got {self.gpus_per_node}")
         tasks = int(self.tasks_per_node or 0)
-        _check(tasks >= 1, source, f"tasks_per_node must be ≥ 1, got {tasks}")
+        check(tasks >= 1, source, f"tasks_per_node must be ≥ 1, got {tasks}")
         if self.gpus_per_node > 0 and tasks != self.gpus_per_node and not self.allow_task_gpu_mismatch:
             raise ConfigError(
                 f"{source}: tasks_per_node={tasks} but gpus_per_node={self.gpus_per_node}: "
                 f"run one task per GPU (remove tasks_per_node or set it to {self.gpus_per_node}); "
                 "set allow_task_gpu_mismatch: true only if you mean it"
             )
-        _check(self.cpus_per_task >= 1, source, f"cpus_per_task must be ≥ 1, got {self.cpus_per_task}")
-        _check(self.time_min >= 1, source, f"time_min must be ≥ 1, got {self.time_min}")
-        _check(self.array_parallelism >= 1, source,
+        check(self.cpus_per_task >= 1, source, f"cpus_per_task must be ≥ 1, got {self.cpus_per_task}")
+        check(self.time_min >= 1, source, f"time_min must be ≥ 1, got {self.time_min}")
+        check(self.array_parallelism >= 1, source,
                f"array_parallelism must be ≥ 1, got {self.array_parallelism} "
                "(how many runs of a sweep may run at once)")
-        _check(self.signal_delay_s >= SIGNAL_DELAY_MIN_S, source,
+        check(self.signal_delay_s >= SIGNAL_DELAY_MIN_S, source,
                f"signal_delay_s={self.signal_delay_s} is below the minimum of {SIGNAL_DELAY_MIN_S} s: "
                "the time-limit warning (USR2) must leave time to reach a step boundary, save and requeue; "
                "set signal_delay_s: "
                f"{SIGNAL_DELAY_MIN_S} or more (README: what a site must configure)")
-        _check(
+        check(
             self.signal_delay_s + SLURM_SIGNAL_EARLY_S < self.time_min * 60,
             source,
             f"time_min={self.time_min} leaves no time to train with signal_delay_s={self.signal_delay_s}: "
@@ -243,202 +248,28 @@ class ClusterConfig:
             "come as the job starts, every time; raise time_min above "
             f"{(self.signal_delay_s + SLURM_SIGNAL_EARLY_S) // 60} or lower signal_delay_s",
         )
-        _check(self.max_requeues >= 0, source, f"max_requeues must be ≥ 0, got {self.max_requeues}")
-        _check(self.rendezvous_timeout_s >= 1, source, "rendezvous_timeout_s must be ≥ 1")
-        _check(0.5 <= self.heartbeat_s <= self.hang_floor_s / 3, source,
+        check(self.max_requeues >= 0, source, f"max_requeues must be ≥ 0, got {self.max_requeues}")
+        check(self.spare_nodes >= 0, source, f"spare_nodes must be ≥ 0, got {self.spare_nodes}")
+        check(self.min_nodes is None or 1 <= self.min_nodes <= self.nodes, source,
+              f"min_nodes must be between 1 and nodes ({self.nodes}), got {self.min_nodes}")
+        check(self.rendezvous_timeout_s >= 1, source, "rendezvous_timeout_s must be ≥ 1")
+        check(0.5 <= self.heartbeat_s <= self.hang_floor_s / 3, source,
                f"heartbeat_s={self.heartbeat_s} must be at least 0.5 and at most hang_floor_s / 3 "
                f"({self.hang_floor_s / 3:g}): a hang is told by records older than three heartbeats")
-        _check(self.hang_factor >= 1 and self.hang_uncalibrated_s >= self.hang_floor_s
+        check(self.hang_factor >= 1 and self.hang_uncalibrated_s >= self.hang_floor_s
                and self.slow_rank_margin > 0 and self.slow_rank_windows >= 0, source,
                "hang_factor must be ≥ 1, hang_uncalibrated_s ≥ hang_floor_s, slow_rank_margin > 0 and "
                "slow_rank_windows ≥ 0 (0: off)")
-        _check(self.mem_gb is None or self.mem_gb > 0, source, f"mem_gb must be > 0, got {self.mem_gb}")
-        if self.backend in MACHINE_BACKENDS and self.nodes > 1:
+        check(self.mem_gb is None or self.mem_gb > 0, source, f"mem_gb must be > 0, got {self.mem_gb}")
+        if self.backend in MACHINE_BACKENDS and (self.nodes > 1 or self.spare_nodes):
             raise ConfigError(
-                f"{source}: backend '{self.backend}' runs on this machine only, but nodes={self.nodes}; "
-                "set nodes: 1 or backend: slurm"
+                f"{source}: backend '{self.backend}' runs on this machine only, but nodes={self.nodes}"
+                f"{f' and spare_nodes={self.spare_nodes}' if self.spare_nodes else ''}; set nodes: 1, "
+                "spare_nodes: 0, or backend: slurm"
             )
         for name in self.env:
-            _check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is not None, source,
+            check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is not None, source,
                    f"env name {name!r} is not a valid variable name")
-        return self
-
-
-# ------------------------------------------------------------------------------------------- train
-
-
-@dataclass
-class DataConfig:
-    source: Literal["synthetic", "video", "prepared"] = "synthetic"
-    path: str | None = None  # a folder of videos (video) or of prepared shards (prepared)
-    frames: int = 12
-    height: int = 480
-    width: int = 720
-    num_clips: int = 4096  # synthetic source only
-    val_clips: int = 16  # held-out clips for validation PSNR
-    num_workers: int | None = None  # per GPU; None: the plan decides
-    prefetch_factor: int | None = None
-
-
-@dataclass
-class ModelConfig:
-    latent_channels: int = 16
-    patch_size: int = 1
-    encoder_width: int = 64
-    decoder_widths: list[int] = field(default_factory=lambda: [256, 128, 64, 64])
-    init_from: str | None = None  # published TAEHV weights (.pth or .safetensors) to start from
-
-
-@dataclass
-class TeacherConfig:
-    # Where the distillation targets come from: latents stored by `taehv prepare` ("prepared"), or a
-    # diffusers VAE run on the fly from a local folder (slow: ~5x the student's step; tests and small runs).
-    kind: TeacherKind = "none"
-    path: str | None = None
-    scaling_factor: float | None = None  # None: the VAE config's value (HunyuanVideo 0.476986)
-
-
-@dataclass
-class LossConfig:
-    latent_weight: float = 1.0  # MSE(student encoder, teacher latents)
-    reconstruction_weight: float = 20.0  # MSE(decode(encode(x)), x): end to end
-    decoder_weight: float = 0.0  # MSE(decode(teacher latents), x): the author's separate decoder objective
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    weight_decay: float = 0.01
-    warmup_steps: int = 2000
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
-    grad_clip: float = 1.0
-    # The effective batch is held constant across GPU counts, so lr does not change with the GPU count.
-    # Only when you change effective_batch is lr rescaled from reference_batch by this rule.
-    lr_scaling: Literal["none", "linear", "sqrt"] = "sqrt"
-    reference_batch: int = 128
-
-
-@dataclass
-class BatchConfig:
-    effective: int = 128  # = per_gpu × world size × grad accumulation, for any GPU count
-    per_gpu: int = 4  # upper bound (fastest on H200); the plan lowers it when the world is large
-    grad_accum: int | None = None  # explicit override; None: computed by the plan
-
-
-@dataclass
-class EngineConfig:
-    # allreduce: replicated weights, one all-reduce of a flat gradient buffer per step ("ddp", the name
-    # older configs use, is read as allreduce); zero1/2/3: DeepSpeed ZeRO; auto: the plan picks.
-    kind: Literal["auto", "allreduce", "ddp", "zero1", "zero2", "zero3"] = "auto"
-    precision: Literal["bf16", "fp32"] = "bf16"
-    compile: bool = True  # torch.compile the model (CUDA only)
-    # torch.compile mode for the allreduce engine: CUDA graphs ("reduce-overhead") measured fastest and
-    # correct at any accumulation (docs/benchmarks.md); DeepSpeed engines always compile in "default" mode.
-    # Not offered: max-autotune, whose autotuning had not finished after 6 minutes even at 128×192 clips and
-    # kept cuDNN for every large convolution anyway.
-    compile_mode: Literal["default", "reduce-overhead"] = "reduce-overhead"
-    channels_last: bool = True  # (CUDA only)
-    activation_checkpointing: bool = False
-
-
-@dataclass
-class IntervalConfig:
-    log_every: int = 25
-    val_every: int = 1000
-    # "auto": the plan's interval for the GPU count, from the failure rate at that scale and the save time
-    # (Young's formula; docs/failures.md), at most an hour of training
-    ckpt_every: int | Literal["auto"] = 2000
-    keep_checkpoints: int = 3
-    async_checkpoint: bool = True
-    # samples.jsonl: the clip indices of every step (all ranks, in rank order), to check the data order;
-    # one small gather per step
-    record_samples: bool = False
-
-
-@dataclass
-class DivergenceConfig:
-    # A step whose loss or gradient norm is not finite is skipped on every rank (never applied). Past
-    # the budget the run stops (FAILED, one line naming the step and the last checkpoint), or with
-    # action: rollback restores the last checkpoint and skips the batches since it (at most
-    # max_rollbacks times, then stops).
-    action: Literal["stop", "rollback"] = "stop"
-    max_consecutive: int = 3  # skipped steps in a row
-    max_in_window: int = 10  # ... or skipped steps within the last `window` steps
-    window: int = 200
-    max_rollbacks: int = 2
-
-
-@dataclass
-class TrackingConfig:
-    # W&B / MLflow beside TensorBoard (rank 0): one tracker run per training run across every requeue and
-    # resubmit, its id kept in <run>/trackers.json (taehv_slurm.trainer.trackers). The `trackers` extra.
-    wandb: bool = False
-    wandb_project: str = "taehv"
-    wandb_entity: str | None = None
-    wandb_mode: Literal["online", "offline"] = "online"  # offline: `wandb sync <run>/wandb/offline-run-*`
-    mlflow: bool = False
-    mlflow_tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else a file store in <run>/mlruns
-    mlflow_experiment: str = "taehv"
-    sample_frames: int = 4  # val/sample, to TensorBoard too: clip 0's frames over their reconstruction
-
-
-@dataclass
-class TrainConfig:
-    name: str = "taehv"
-    seed: int = 0
-    steps: int = 100_000
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    teacher: TeacherConfig = field(default_factory=TeacherConfig)
-    loss: LossConfig = field(default_factory=LossConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    intervals: IntervalConfig = field(default_factory=IntervalConfig)
-    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-
-    # A train YAML file must name these: an empty file would otherwise train the full-size defaults.
-    REQUIRED_KEYS: ClassVar[tuple[str, ...]] = ("name", "steps", "data.source", "batch.effective")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def model_fields(self) -> dict[str, Any]:
-        """What fixes the shapes of the model's weights: a checkpoint loads only into the same values."""
-        m = self.model
-        return {"latent_channels": m.latent_channels, "patch_size": m.patch_size,
-                "encoder_width": m.encoder_width, "decoder_widths": list(m.decoder_widths)}
-
-    def validate(self, source: str = "train config") -> TrainConfig:
-        d, b = self.data, self.batch
-        if self.engine.kind == "ddp":
-            self.engine.kind = "allreduce"
-        _check(self.steps >= 1, source, f"steps must be ≥ 1, got {self.steps}")
-        _check(d.frames >= 4 and d.frames % 4 == 0, source,
-               f"data.frames must be a multiple of 4 (≥ 4), got {d.frames}")
-        _check(d.height % 8 == 0 and d.width % 8 == 0 and d.height > 0 and d.width > 0, source,
-               f"data.height and data.width must be positive multiples of 8, got {d.height}×{d.width}")
-        if d.source in ("video", "prepared"):
-            _check(bool(d.path), source, f"data.source={d.source} needs data.path (a folder)")
-        _check(b.effective >= 1 and b.per_gpu >= 1, source, "batch.effective and batch.per_gpu must be ≥ 1")
-        _check(b.grad_accum is None or b.grad_accum >= 1, source, "batch.grad_accum must be ≥ 1")
-        if self.teacher.kind != "none":
-            _check(bool(self.teacher.path), source,
-                   f"teacher.kind={self.teacher.kind} needs teacher.path (a local diffusers VAE folder)")
-        _check(self.optim.lr > 0, source, f"optim.lr must be > 0, got {self.optim.lr}")
-        _check(len(self.optim.betas) == 2, source, "optim.betas needs two values, e.g. [0.9, 0.95]")
-        counted = [] if self.intervals.ckpt_every == "auto" else ["ckpt_every"]
-        for key in ("log_every", "val_every", *counted, "keep_checkpoints"):
-            value = getattr(self.intervals, key)
-            _check(value >= 1, source, f"intervals.{key} must be ≥ 1, got {value}")
-        for key in ("max_consecutive", "max_in_window", "window"):
-            value = getattr(self.divergence, key)
-            _check(value >= 1, source, f"divergence.{key} must be ≥ 1, got {value}")
-        _check(self.divergence.max_rollbacks >= 0, source, "divergence.max_rollbacks must be ≥ 0")
-        _check(self.tracking.sample_frames >= 0, source,
-               f"tracking.sample_frames must be ≥ 0 (0: none), got {self.tracking.sample_frames}")
         return self
 
 
@@ -495,6 +326,3 @@ def shipped_config(path: str | os.PathLike) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def _check(ok: bool, source: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{source}: {message}")

@@ -226,3 +226,9 @@ def _coerce(value: Any, hint: Any, source: str, key: str) -> Any:
             raise ConfigError(f"{source}: '{key}' must be a string, got {value!r}")
         return str(value)
     return value
+
+
+def check(ok: bool, source: str, message: str) -> None:
+    """A config's validation: raise `ConfigError` "<source>: <message>" unless `ok`."""
+    if not ok:
+        raise ConfigError(f"{source}: {message}")
