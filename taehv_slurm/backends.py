@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from taehv_slurm import slurm
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.backend import Outcome, RankBackend
+from taehv_slurm.runtime.steps import in_step_loop
 
 SETTLE_TIMEOUT_CAP_S = 15.0  # one scontrol question may take at most this (an unreachable controller hangs)
 
@@ -162,11 +163,29 @@ class SlurmBackend(Backend):
                 reason = "timeout"  # SIGTERM at the time limit: the warning never came (signal_delay_s)
             elif info.get("JobState") in ("COMPLETING", "CANCELLED"):
                 return Outcome("cancelled", {"reason": "cancelled"})
+        if reason == "preempted" and in_step_loop():
+            # A SIGTERM that is no job event: the job step alone ends (a peer died, srun ends the rest); the
+            # batch script decides what follows. USR2, the time-limit warning, still requeues.
+            return Outcome("step_ended", {"reason": reason})
         answer = slurm.requeue(job_id, timeout_s=max(1.0, deadline - time.time()), survive_term=True)
         if answer.ok:
             return Outcome("requeue", {"reason": reason, "by": "self", "seconds_lost": 0.0})
         return Outcome("requeue_failed", {"reason": reason, "error": f"scontrol requeue: {answer.error}",
                                           "fix": slurm.requeue_fix(answer.error)})
+
+    def end_step(self) -> None:
+        step = os.environ.get("SLURM_STEP_ID")
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and step:
+            answer = slurm.kill_step(job, step)
+            if not answer.ok:
+                print(f"[taehv] could not end job step {job}.{step}: {answer.error}", flush=True)
+
+    def seconds_left(self, job_id: str) -> float | None:
+        import time
+
+        info = slurm.job_info(job_id, survive_term=True)
+        return slurm.seconds_left(info, time.time()) if isinstance(info, dict) else None
 
     def requeue_after_failure(self, job_id: str, exclude: Sequence[str] = ()) -> Outcome:
         if exclude:

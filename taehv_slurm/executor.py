@@ -24,6 +24,7 @@ from taehv_slurm.machine import gpus_here
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.bytecode import COMPILE_CACHE_ENV
 from taehv_slurm.runtime.distenv import INHERITED_LAUNCHER_VARS
+from taehv_slurm.runtime.steps import LAUNCH_ENV, RESTART_EXIT_CODE, STEP_LOOP_ENV
 from taehv_slurm.slurm import NO_SLURM_HINT, SCONTROL_ENV, says_no_slurm
 from taehv_slurm.submitit_api import convert_mem, make_sbatch_string
 
@@ -38,11 +39,32 @@ def entry_command(python: str, folder: Path, run_dir: Path | None = None, after:
                      shlex.quote(str(folder)), *([shlex.quote(str(run_dir))] if run_dir is not None else [])])
 
 
-def teardown_lines(python: str, folder: Path, run_dir: Path | None) -> list[str]:
-    """The sbatch script's lines after srun: the entry point records what the ranks could not (ranks
-    killed from outside) and requeues off their nodes where that helps; the job keeps srun's status."""
-    return ["srun_status=$?", entry_command(python, folder, run_dir, after='"$srun_status"'),
-            "exit $srun_status"]
+def step_loop(python: str, folder: Path, run_dir: Path | None, cluster: ClusterConfig) -> str:
+    """The sbatch script's command: the ranks as a job step on `nodes` of the allocation; once every rank
+    ended, the entry point records what the ranks could not (ranks killed from outside) and answers either
+    the job's exit status, or RESTART_EXIT_CODE: the ranks start again inside the allocation, on the nodes it
+    wrote for the next step (taehv_slurm.runtime.steps, .restart). Without restart_in_allocation the loop
+    runs once and a fault requeues the job, as before."""
+    out = shlex.quote(str(folder)) + "/"
+    srun = shlex.join(["srun", "--unbuffered", *cluster.srun_args])
+    loop_env = f"{STEP_LOOP_ENV}=1 " if cluster.restart_in_allocation else ""
+    ranks = entry_command(python, folder, run_dir)
+    after = entry_command(python, folder, run_dir, after='"$srun_status"')
+    return "\n".join([
+        f"export {loop_env}{LAUNCH_ENV}=0",
+        # array tasks name their logs as submitit reads them: <array>_<index>_<rank>_log.out
+        f'log={out}%j_%t_log.out; [ -n "$SLURM_ARRAY_JOB_ID" ] && log={out}%A_%a_%t_log.out',
+        f"{python} -m taehv_slurm.runtime.steps first {shlex.quote(str(folder))} {cluster.nodes} "
+        f"{cluster.tasks_per_node} || exit 1",
+        "while :; do",
+        f'  {srun} --output "$log" $(cat {out}"$SLURM_JOB_ID"_srun_args) {ranks}',
+        "  srun_status=$?",
+        f"  {after}",
+        "  after_status=$?",
+        f'  [ "$after_status" = {RESTART_EXIT_CODE} ] || exit "$after_status"',
+        f"  export {LAUNCH_ENV}=$(( {LAUNCH_ENV} + 1 ))",
+        "done",
+    ])
 
 
 class LocalExecutor(submitit.LocalExecutor):
@@ -98,13 +120,17 @@ class LocalExecutor(submitit.LocalExecutor):
 
 
 class SlurmExecutor(submitit.SlurmExecutor):
-    def __init__(self, folder: Path, command: str, **kwargs: Any) -> None:
+    def __init__(self, folder: Path, command: str, ranks: int, **kwargs: Any) -> None:
         super().__init__(folder, **kwargs)
         self.command = command
+        self.ranks = ranks
 
     @property
     def _submitit_command_str(self) -> str:
         return self.command
+
+    def _num_tasks(self) -> int:
+        return self.ranks  # the ranks that run: the allocation's spare nodes run none
 
 
 def setup_lines(cluster: ClusterConfig, extra_env: Mapping[str, str] | None = None) -> list[str]:
@@ -128,14 +154,16 @@ def slurm_parameters(cluster: ClusterConfig, extra_env: Mapping[str, str] | None
         "array_parallelism": cluster.array_parallelism,
         "job_name": cluster.name,
         "time": cluster.time_min,
-        "nodes": cluster.nodes,
+        "nodes": cluster.nodes + cluster.spare_nodes,  # the ranks' step runs on `nodes` of them
         "ntasks_per_node": cluster.tasks_per_node,
         "cpus_per_task": cluster.cpus_per_task,
         "signal_delay_s": cluster.signal_delay_s,
         "stderr_to_stdout": True,  # one log per rank: <job>_<rank>_log.out
         "setup": setup_lines(cluster, extra_env),
-        "srun_args": list(cluster.srun_args),
-        "additional_parameters": {"requeue": True, **cluster.sbatch_args},
+        "use_srun": False,  # the command starts the ranks itself (`step_loop`)
+        # --no-kill: a node that fails does not end the job, which then restarts its ranks without it
+        "additional_parameters": {"requeue": True, **({"no-kill": True} if cluster.restart_in_allocation
+                                                      else {}), **cluster.sbatch_args},
     }
     optional = {
         "partition": cluster.partition,
@@ -168,9 +196,9 @@ def make_executor(cluster: ClusterConfig, folder: str | Path, extra_env: Mapping
 
 def _slurm_executor(cluster: ClusterConfig, folder: Path, command: str, python: str,
                     extra_env: Mapping[str, str] | None, run_dir: Path | None) -> submitit.Executor:
-    executor = SlurmExecutor(folder, command, max_num_timeout=cluster.max_requeues, python=python)
-    executor.update_parameters(**slurm_parameters(cluster, extra_env), teardown=teardown_lines(python, folder,
-                                                                                            run_dir))
+    executor = SlurmExecutor(folder, step_loop(python, folder, run_dir, cluster), cluster.world_size,
+                             max_num_timeout=cluster.max_requeues, python=python)
+    executor.update_parameters(**slurm_parameters(cluster, extra_env))
     return executor
 
 
@@ -205,9 +233,8 @@ def sbatch_preview(cluster: ClusterConfig, folder: str | Path, extra_env: Mappin
     python = cluster.python or shlex.quote(sys.executable)
     owner = Path(run_dir) if run_dir is not None else None
     array = {"map_count": array_size} if array_size > 1 else {}
-    return make_sbatch_string(command=entry_command(python, folder, owner), folder=folder,
-                              **slurm_parameters(cluster, extra_env), **array,
-                              teardown=teardown_lines(python, folder, owner))
+    return make_sbatch_string(command=step_loop(python, folder, owner, cluster), folder=folder,
+                              **slurm_parameters(cluster, extra_env), **array)
 
 
 class SubmissionError(RuntimeError):

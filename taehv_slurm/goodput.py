@@ -1,9 +1,14 @@
 """Goodput: how much of what a run was allocated went into training that was kept.
 
-Per attempt of a job (its first run and each requeue), from the run's own files and Slurm's accounting:
+Per attempt of a job — its first run, each requeue, and each restart of its ranks inside the allocation it
+holds (taehv_slurm.runtime.restart) — from the run's own files and Slurm's accounting:
 
-- allocated node-seconds: sacct's Elapsed × NNodes of that attempt (where the site keeps accounting;
-  else the attempt's span in events.jsonl × nodes);
+- allocated node-seconds: sacct's Elapsed × NNodes of that allocation (where the site keeps accounting;
+  else the attempt's span in events.jsonl × nodes), shared among the attempts inside it by their spans;
+- time in the queue: from the allocation's submission (or requeue) to its start, Slurm's own Submit and
+  Start (where there is accounting; else from the requeue event to the next attempt's start);
+- restart: from the fault found (hang verdict, kill, failure) to the restarted ranks' start, inside the
+  allocation;
 - time to first step: from the rank's process start (`began` in its `start` event) to its first finished
   step (`first_step`), and the part of it before the training loop began (`start_up_s`: imports,
   rendezvous, building the model, restore); the rest is the first step itself, its compilation included;
@@ -30,10 +35,10 @@ if TYPE_CHECKING:
 
 # What ends an attempt, as the run records it (the first one in the attempt's window).
 ENDS = ("requeue", "requeue_failed", "finished", "failure", "killed", "hang", "cancelled", "stopped",
-        "exited_for_restart")
-COLUMNS = ["attempt", "began", "ended", "end", "nodes", "allocated_node_s", "time_to_first_step_s",
-           "start_up_s", "start_step", "kept_until", "steps_kept", "step_s", "productive_node_s",
-           "lost_steps", "lost_s", "save_s", "ettr"]
+        "exited_for_restart", "step_ended", "restart")
+COLUMNS = ["attempt", "launch", "began", "ended", "end", "nodes", "allocated_node_s", "queue_s", "restart_s",
+           "time_to_first_step_s", "start_up_s", "start_step", "kept_until", "steps_kept", "step_s",
+           "productive_node_s", "lost_steps", "lost_s", "save_s", "ettr"]
 
 
 def attempt_rows(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]], nodes: int,
@@ -43,12 +48,13 @@ def attempt_rows(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mappi
     `final_step`: the run's latest checkpoint; `accounting`: sacct's records of the job
     (`slurm.sacct_records`; empty where there are none)."""
     starts = [e for e in events if e["event"] == "start"]
-    allocated = _allocated_by_attempt(accounting)
     rows = []
     for i, start in enumerate(starts):
         later = starts[i + 1] if i + 1 < len(starts) else None
         kept_until = later["step"] if later is not None else (final_step or start["step"])
-        rows.append(_attempt_row(start, later, events, train_rows, nodes, kept_until, allocated))
+        rows.append(_attempt_row(start, later, events, train_rows, nodes, kept_until))
+    _share_allocations(rows, starts, accounting)
+    _waits(rows, events, accounting)
     return rows
 
 
@@ -84,8 +90,7 @@ def frame_of(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 
 def _attempt_row(start: Mapping[str, Any], later: Mapping[str, Any] | None,
                  events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]], nodes: int,
-                 kept_until: int,
-                 allocated: Mapping[int, float]) -> dict[str, Any]:
+                 kept_until: int) -> dict[str, Any]:
     """The goodput of the attempt that began with `start` and lasted until `later` began (or until now)."""
     began = float(start.get("began") or start["time"])
     following = float(later.get("began") or later["time"]) if later is not None else math.inf
@@ -99,13 +104,13 @@ def _attempt_row(start: Mapping[str, Any], later: Mapping[str, Any] | None,
     step_s = _seconds_per_step([{"step": e["step"], "time": e["time"]} for e in first[:1]] + rows_in)
     steps_kept = max(0, kept_until - start["step"])
     lost = max(0, reached - kept_until)
-    node_s = allocated.get(int(start.get("restart_count", 0)), (ended - began) * nodes)
+    node_s = (ended - began) * nodes  # the allocation's own figure replaces it where there is accounting
     productive = 0.0 if not steps_kept else steps_kept * step_s * nodes if step_s is not None else None
     end = "running"
     if ends:
         end = ends[0]["event"] + (f" ({ends[0]['reason']})" if ends[0].get("reason") else "")
-    return {"attempt": int(start.get("restart_count", 0)), "began": began, "ended": ended, "end": end,
-            "nodes": nodes,
+    return {"attempt": int(start.get("restart_count", 0)), "launch": 0, "began": began, "ended": ended,
+            "end": end, "nodes": nodes, "queue_s": None, "restart_s": None,
             "allocated_node_s": round(node_s, 1),
             "time_to_first_step_s": round(first[0]["seconds"], 1) if first else None,
             "start_up_s": round(start["time"] - began, 1),
@@ -125,10 +130,67 @@ def _seconds_per_step(rows: Sequence[Mapping[str, Any]]) -> float | None:
     return round(statistics.median(paces), 4) if paces else None
 
 
-def _allocated_by_attempt(accounting: Sequence[Mapping[str, Any]]) -> dict[int, float]:
-    """Attempt → allocated node-seconds (sacct's Elapsed × NNodes of its allocation record)."""
-    return {int(r["Attempt"]): float(r["ElapsedSeconds"]) * int(r["NNodes"] or 1)
-            for r in accounting if "NNodes" in r and "." not in str(r["JobID"])}
+def _allocations(accounting: Sequence[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
+    """Attempt → sacct's allocation record of that run of the job."""
+    return {int(r["Attempt"]): r for r in accounting if "NNodes" in r and "." not in str(r["JobID"])}
+
+
+def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str, Any]],
+                       accounting: Sequence[Mapping[str, Any]]) -> None:
+    """Number the attempts inside one allocation (`launch`) and give them its node-seconds (sacct's
+    Elapsed × NNodes, where there is accounting): each its span, the last what is left."""
+    allocations = _allocations(accounting)
+    groups: dict[tuple[Any, int], list[int]] = {}
+    for i, start in enumerate(starts):
+        groups.setdefault((start.get("job_id"), rows[i]["attempt"]), []).append(i)
+    for (_, attempt), members in groups.items():
+        for launch, i in enumerate(members):
+            rows[i]["launch"] = launch
+        record = allocations.get(attempt)
+        if record is None:
+            continue
+        nodes = int(record["NNodes"] or 1)
+        total = float(record["ElapsedSeconds"]) * nodes
+        for i in members[:-1]:
+            rows[i]["allocated_node_s"] = round((rows[i + 1]["began"] - rows[i]["began"]) * nodes, 1)
+        rows[members[-1]]["allocated_node_s"] = round(
+            max(0.0, total - sum(rows[i]["allocated_node_s"] for i in members[:-1])), 1)
+        for i in members:
+            productive = rows[i]["productive_node_s"]
+            rows[i]["ettr"] = (round(productive / rows[i]["allocated_node_s"], 4)
+                               if productive is not None and rows[i]["allocated_node_s"] else None)
+
+
+def _waits(rows: list[dict[str, Any]], events: Sequence[Mapping[str, Any]],
+           accounting: Sequence[Mapping[str, Any]]) -> None:
+    """Each attempt's time in the queue (the first of its allocation) or its restart inside it."""
+    allocations = _allocations(accounting)
+    restarts = [e for e in events if e["event"] == "restart"]
+    for i, row in enumerate(rows):
+        if row["launch"]:  # started again inside its allocation: from the fault found to its start
+            restart = next((e for e in reversed(restarts) if e["time"] <= row["began"] + 1), None)
+            if restart is not None:
+                found = float(restart.get("fault_time") or restart["time"])
+                row["restart_s"] = round(row["began"] - found, 1)
+            continue
+        record = allocations.get(row["attempt"])
+        queued = _queue_seconds(record) if record else None
+        if queued is None and i:  # no accounting: from the requeue that ended the attempt before
+            requeue = next((e for e in reversed(events) if e["event"] == "requeue"
+                            and e["time"] <= row["began"]), None)
+            queued = row["began"] - requeue["time"] if requeue is not None else None
+        row["queue_s"] = None if queued is None else round(max(0.0, queued), 1)
+
+
+def _queue_seconds(record: Mapping[str, Any]) -> float | None:
+    """sacct's Start − Submit of an allocation record (Slurm's own times), None where either is unknown."""
+    import datetime
+
+    try:
+        start, submit = (datetime.datetime.fromisoformat(str(record[k])) for k in ("Start", "Submit"))
+    except (KeyError, ValueError):
+        return None
+    return (start - submit).total_seconds()
 
 
 def summary(frame: pd.DataFrame) -> str:

@@ -194,6 +194,16 @@ class JobHandle:
         """The run's requeues as they happened (Slurm or the local controller accepted each one)."""
         return [e for e in self.events(run_wide) if e["event"] == "requeue"]
 
+    def restarts(self, run_wide: bool = False) -> list[dict[str, Any]]:
+        """The restarts of the ranks inside the job's allocation (taehv_slurm.runtime.restart), each with
+        `seconds_to_first_step`: from the fault found to the restarted ranks' first step (None until then)."""
+        events = self.events(run_wide)
+        firsts = {e.get("segment"): e["time"] for e in events if e["event"] == "first_step"}
+        return [{**e, "seconds_to_first_step": (round(firsts[e["segment"] + 1] - e["fault_time"], 1)
+                                                if e.get("segment") is not None and e["segment"] + 1 in firsts
+                                                else None)}
+                for e in events if e["event"] == "restart"]
+
     @property
     def requeues(self) -> pd.DataFrame:
         """One row per requeue of this job (time, segment, reason, step, signal_to_saved_s, seconds_lost)."""
@@ -327,7 +337,9 @@ class JobHandle:
         rows = [r for r in EventLog(self.run_dir / "metrics.jsonl").read() if "loss" in r]
         accounting = self._accounting_records() if self.backend.has_accounting else []
         final = Checkpointer(self.run_dir / "checkpoints").latest_step()
-        return attempt_rows(self.events(), rows, int(self.record.get("nodes") or 1), final, accounting)
+        spares = int((self.record.get("cluster") or {}).get("spare_nodes") or 0)  # held, idle unless needed
+        nodes = int(self.record.get("nodes") or 1) + spares
+        return attempt_rows(self.events(), rows, nodes, final, accounting)
 
     def config_history(self) -> pd.DataFrame:
         """One row per attempt of this run (every job of its run folder): job id, restart, step it started
@@ -343,19 +355,20 @@ class JobHandle:
         step, total = self.last_step(), self.total_steps
         state = self.state
         note = self.stop_reason or (self.error if not slurm.is_success(state) else None) or ""
-        requeues = self.interruptions()
+        requeues, restarts = self.interruptions(), self.restarts()
         unreleased = requeues[-1].get("release_error") if requeues and state == "PENDING" else None
         if unreleased:  # requeued held to move it off a node, and the release failed: it waits for a person
             note = f"held since its requeue ({unreleased}): run `scontrol release {self.job_id}`"
-        elif requeues and not note:
+        elif (requeues or restarts) and not note:
             killed = {e.get("segment"): e["detail"] for e in self.events() if e["event"] == "killed"}
-            note = "; ".join(f"requeued at step {e['step']} ({killed.get(e.get('segment')) or e['reason']})"
-                             for e in requeues)
+            note = "; ".join([*(f"requeued at step {e['step']} "
+                                f"({killed.get(e.get('segment')) or e['reason']})" for e in requeues),
+                              *map(describe_restart, restarts)])
         totals = run_totals(self._goodput_rows()) if "train" in self.record else {}
         node_h = round(totals["allocated_node_s"] / 3600, 4) if totals else None
         return {"job_id": self.job_id, "run": self.name, "state": state,
                 "nodes": self.record.get("nodes"), "ranks": self.record.get("world_size"),
-                "step": step, "steps": total, "requeues": len(requeues),
+                "step": step, "steps": total, "requeues": len(requeues), "restarts": len(restarts),
                 "commit": commit_label(read_attempts(self.run_dir)), "ettr": totals.get("ettr"),
                 "allocated_node_h": node_h,
                 "submitted": time.strftime("%Y-%m-%d %H:%M:%S",
@@ -436,3 +449,13 @@ class _TracebackFilter:
             else:
                 kept.append(line)
         return "".join(line + "\n" for line in kept)
+
+
+def describe_restart(restart: dict[str, Any]) -> str:
+    """'restarted at step 110 on tb1,tb3 after killed (tb2 left out; 4 → 4 ranks; training again 9 s
+    later)'."""
+    left = f"{','.join(restart['left_out'])} left out; " if restart.get("left_out") else ""
+    again = (f"; training again {restart['seconds_to_first_step']:.0f} s later"
+             if restart.get("seconds_to_first_step") is not None else "")
+    return (f"restarted at step {restart['step']} on {','.join(restart['nodes'])} after {restart['cause']} "
+            f"({left}{restart.get('world_before')} → {restart['world_after']} ranks{again})")

@@ -91,6 +91,7 @@ class ScalePlan:
     ckpt_every: int = 2000
     ckpt_interval_s: float | None = None  # intervals.ckpt_every: auto — the interval it stands for
     notes: list[str] = field(default_factory=list)
+    lost_node: str = ""  # what the job does when a node fails (plan_for_cluster; "" for a bare plan)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,7 +141,7 @@ class ScalePlan:
             ("loader", f"{self.num_workers} workers/GPU, prefetch {self.prefetch_factor}"),
             ("log / val / ckpt",
              f"every {self.log_every} / {self.val_every} / {self.ckpt_every} steps{auto}"),
-        ] + [("note", note) for note in self.notes]
+        ] + [("a lost node", self.lost_node)] * bool(self.lost_node) + [("note", note) for note in self.notes]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
@@ -259,10 +260,38 @@ def checkpoint_every(cfg: TrainConfig, gpus: int) -> int:
 
 
 def plan_for_cluster(cluster: ClusterConfig, train: TrainConfig | Mapping[str, Any]) -> ScalePlan:
-    """The plan for a cluster config's shape, GPU memory and cores, on its tasks' device."""
-    return plan_for(cluster.nodes, int(cluster.tasks_per_node or 1), train,
-                    gpu_memory_gb=cluster.gpu_memory()[0],
-                    cpus_per_task=cluster.cpus_per_task, device=cluster.task_device())
+    """The plan for a cluster config's shape, GPU memory and cores, on its tasks' device; with what the job
+    does when a node fails. A `min_nodes` the run could not go on with (its batch split, its memory) is a
+    ConfigError now, not at the fault."""
+    def plan(nodes: int) -> ScalePlan:
+        return plan_for(nodes, int(cluster.tasks_per_node or 1), train,
+                        gpu_memory_gb=cluster.gpu_memory()[0], cpus_per_task=cluster.cpus_per_task,
+                        device=cluster.task_device())
+
+    full, fewest = plan(cluster.nodes), cluster.fewest_nodes
+    if fewest < cluster.nodes:
+        try:
+            smaller = plan(fewest)
+        except ConfigError as err:
+            raise ConfigError(f"min_nodes={fewest}: the run could not go on with {fewest} node(s): "
+                              f"{err}") from None
+        shrink = (f"goes on with as few as {fewest} node(s) at the same effective batch "
+                  f"({smaller.grad_accum} micro-batches per step there); back to full size at its next "
+                  "requeue")
+    if cluster.backend != "slurm":
+        return full
+    if not cluster.restart_in_allocation:
+        lost = "the job is requeued without it"
+    elif cluster.spare_nodes:
+        lost = (f"a spare takes its place inside the job ({cluster.spare_nodes} spare node(s), held idle)"
+                + (f"; without spares it {shrink}" if fewest < cluster.nodes else ""))
+    elif fewest < cluster.nodes:
+        lost = f"the job {shrink}"
+    else:
+        lost = "the job is requeued without it (--spare-nodes K keeps it in its allocation; or set min_nodes)"
+    if cluster.restart_in_allocation:
+        lost += "; a rank's failure restarts the ranks inside the job"
+    return dataclasses.replace(full, lost_node=lost)
 
 
 def _split_batch(cfg: TrainConfig, world: int, ranks_per_node: int, num_nodes: int) -> tuple[int, int]:

@@ -162,6 +162,27 @@ def past_its_end_time(info: Mapping[str, str], now: float) -> bool:
     return now >= end
 
 
+def seconds_left(info: Mapping[str, str], now: float) -> float | None:
+    """Seconds until a RUNNING job's time limit (`job_info`'s EndTime), None when it has none or is not
+    running."""
+    if info.get("JobState") != "RUNNING":
+        return None
+    try:
+        return datetime.datetime.fromisoformat(info.get("EndTime", "")).timestamp() - now
+    except ValueError:  # Unknown, None: no limit
+        return None
+
+
+def kill_step(job_id: str, step_id: str) -> Answer:
+    """`scancel --signal=KILL JOB.STEP`: every process of one job step ends at once, also a stopped one (a
+    hung rank) — the job and its other steps go on. scancel is taken from beside the scontrol the job
+    found when it started, else from PATH."""
+    binary = scontrol()
+    beside = os.path.join(os.path.dirname(binary), "scancel") if binary else ""
+    scancel = beside if beside and os.access(beside, os.X_OK) else "scancel"
+    return run([scancel, "--signal=KILL", f"{job_id}.{step_id}"], timeout_s=30)
+
+
 def requeue(job_id: str, timeout_s: float = 60, hold: bool = False, survive_term: bool = False) -> Answer:
     """`scontrol requeue JOB` (`requeuehold` with `hold`): ok only when Slurm accepted it. A job that
     requeues itself passes `survive_term`: the command must outlive the SIGTERM the requeue sends."""

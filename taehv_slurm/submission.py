@@ -39,6 +39,7 @@ from taehv_slurm.registry import REGISTRY, read_registry, record_submission, run
 from taehv_slurm.runtime.backend import RankBackend
 from taehv_slurm.runtime.requeue import RequeueableTask, check_takes_context
 from taehv_slurm.runtime.runlock import lock_holder
+from taehv_slurm.runtime.steps import Placement
 from taehv_slurm.runtime.watchdog import WatchdogSettings
 from taehv_slurm.security import (
     UnsafePathError,
@@ -180,9 +181,11 @@ def requeueable_task(task: Callable[..., Any], run_dir: str | os.PathLike, clust
                                 factor=cluster.hang_factor, uncalibrated_s=cluster.hang_uncalibrated_s,
                                 enabled=cluster.hang_detection)
     on_failure = cluster.requeue_on_failure if requeue_on_failure is None else requeue_on_failure
+    placement = (Placement(cluster.nodes, int(cluster.tasks_per_node or 1), cluster.fewest_nodes)
+                 if cluster.restart_in_allocation else None)
     return RequeueableTask(task, run_dir, cluster.max_requeues, cluster.max_requeues_without_progress,
                            on_failure, cluster.signal_delay_s, cluster.kill_wait_s, backend,
-                           cluster.exclude_failed_nodes, watchdog)
+                           cluster.exclude_failed_nodes, watchdog, placement)
 
 
 def task_name(task: Any) -> str:

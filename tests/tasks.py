@@ -18,11 +18,9 @@ class CrashAfterStart:
         self.varying = varying
 
     def __call__(self, ctx: Any) -> None:
-        import os
-
         ctx.started(Checkpointer(ctx.run_dir / "checkpoints").latest_step() or 0)
-        attempt = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-        cause = f" ({self.CAUSES[attempt % len(self.CAUSES)]})" if self.varying else ""
+        # each attempt of the run (a requeue, or a restart inside the allocation) is its own segment
+        cause = f" ({self.CAUSES[ctx.segment % len(self.CAUSES)]})" if self.varying else ""
         raise RuntimeError(f"simulated crash right after the restart{cause}")
 
 

@@ -143,6 +143,10 @@ def test_goodput_model_recommends_shorter_intervals_at_scale(tmp_path: Path) -> 
     intervals = [r["checkpoint_interval_min"] for r in rows]
     assert intervals == sorted(intervals, reverse=True)  # more GPUs, more failures: save more often
     assert all(r["ettr"] >= r["ettr_hourly_checkpoints"] for r in rows)  # the optimum beats hourly saves
+    # a queue wait makes a requeue dear where faults are frequent: restarting inside the allocation wins at
+    # 4096 GPUs even with a spare node held idle, and loses at 64, where the spare costs more than faults do
+    assert rows[-1]["ettr_restart_in_allocation"] > rows[-1]["ettr"] > rows[-1]["ettr_hourly_checkpoints"]
+    assert rows[0]["ettr_restart_in_allocation"] < rows[0]["ettr"] <= rows[0]["ettr_idle_queue"]
 
 
 def test_every_result_file_is_indexed_and_backs_a_figure() -> None:

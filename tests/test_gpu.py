@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from taehv_slurm.config import ConfigError
 from tests.helpers import REPO, wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -157,3 +158,21 @@ def test_logged_clips_per_second_is_the_wall_clocks(tmp_path: Path) -> None:
     for before, row in zip(rows[2:], rows[3:]):  # compiled and captured by then
         wall = (row["step"] - before["step"]) * PER_GPU * 32 / (row["time"] - before["time"])
         assert row["samples_per_second"] == pytest.approx(wall, rel=0.03), (row, wall)
+
+
+def test_the_local_plan_uses_this_machines_gpu_memory() -> None:
+    """With --local the plan and the memory check use the GPU the run will have (an H200: ~140 GB), not the
+    cluster config's gpu_memory_gb (80 by default): per-GPU batch 24 of the shipped clips (~105 GB of
+    activations) fits an H200 and is refused against 80 GB."""
+    from taehv_slurm.config import load_cluster, load_train
+    from taehv_slurm.plan import plan_for_cluster
+
+    here = torch.cuda.get_device_properties(0).total_memory / 2**30
+    local = load_cluster(REPO / "configs/cluster/local.yaml", gpus_per_node=1, tasks_per_node=1)
+    assert local.gpu_memory() == (pytest.approx(here, rel=0.05), "this machine's GPU")
+    big = load_train(REPO / "configs/train/taehv.yaml", **{"batch.per_gpu": 24})
+    if here > 120:
+        assert plan_for_cluster(local, big).per_gpu_batch == 24
+    stated = load_cluster(REPO / "configs/cluster/h100_8gpu.yaml")  # a cluster's stated 80 GB
+    with pytest.raises(ConfigError, match="no engine fits 80 GB"):
+        plan_for_cluster(stated, big)

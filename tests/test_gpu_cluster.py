@@ -9,9 +9,9 @@ Marked `gpu_cluster`: skipped where this host has fewer than 2 GPUs (CI). On a m
         python -m pytest -m gpu_cluster -n 0 -p no:cacheprovider tests/test_gpu_cluster.py
 
 - each node's tasks get that node's GPUs, and the nodes' GPUs are all of the host's, none twice;
-- the classic launch mistakes, for real: more tasks per node than the node has GPUs is refused by Slurm with one line
-  naming the fix; 2 × N ranks launched as 1 × 2N (the mismatch allowed on purpose) fails at its first rank
-  without a GPU with one line naming the launch, not CUDA's "invalid device ordinal";
+- the classic launch mistakes, for real: more tasks per node than the node has GPUs is refused by Slurm with
+  one line naming the fix; 2 × N ranks launched as 1 × 2N (the mismatch allowed on purpose) fails at its
+  first rank without a GPU with one line naming the launch, not CUDA's "invalid device ordinal";
 - a 2-node training crosses hosts: NCCL connects the nodes through NET/Socket and the GPUs of one node through
   P2P, and the ranks run with the plan's NCCL settings.
 """
@@ -19,8 +19,10 @@ Marked `gpu_cluster`: skipped where this host has fewer than 2 GPUs (CI). On a m
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,7 +32,7 @@ import pytest
 
 from taehv_slurm.config import load_cluster, load_train
 from taehv_slurm.plan import plan_for_cluster
-from tests.helpers import REPO, metrics
+from tests.helpers import REPO, job_state, metrics, wait_for
 from tests.slurm_testbed import Testbed
 from tests.slurm_testbed_gpus import host_gpus
 
@@ -139,3 +141,109 @@ def test_a_two_node_run_crosses_hosts_over_sockets_and_nvlink_inside(gpu_cluster
     got = dict(kv.split("=", 1) for kv in settings.group(1).split())
     assert {k: got.get(k) for k in plan.nccl_env} == plan.nccl_env
     assert got.get("NCCL_NVLS_ENABLE") == "0"  # the cluster config's env reached the ranks too
+
+
+# ------------------------------------------------------------------------------ faults, from outside
+# Each run: the shipped config made small (synthetic 128×192 clips), checkpoints every 5 steps, a hang floor
+# of 30 s, on both nodes with one GPU each (two such runs fit the 4-GPU host at once).
+FAULT_SETS = {"intervals.ckpt_every": 5, "hang_floor_s": 30, "heartbeat_s": 3, "min_nodes": 1}
+
+
+def fault_run(name: str, job_dir: Path, steps: int, *extra: str) -> str:
+    """Submit a 2-node run for a fault test; its job id."""
+    sets = [a for k, v in FAULT_SETS.items() for a in ("--set", f"{k}={v}")]
+    done = taehv("submit", "--nodes", "2", "--gpus-per-node", "1", *small_shipped_run(steps), *sets, *extra,
+                 "--name", name, job_dir=job_dir)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return re.search(r"submitted job (\d+)", done.stdout)[1]
+
+
+def run_events(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def rank_of(run_dir: Path, rank: int) -> dict:
+    try:
+        return json.loads((run_dir / "ranks" / f"{rank}.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def final_state(job_id: str) -> str:
+    return wait_for(lambda: (s := job_state(job_id)) in ("COMPLETED", "FAILED", "CANCELLED") and s, 900,
+                    f"job {job_id} to end")
+
+
+def logged_once(run_dir: Path, steps: int) -> bool:
+    kept = [r["step"] for r in metrics(run_dir) if "loss" in r]
+    return kept == [1, *range(2, steps + 1, 2)]
+
+
+def test_fault_preemption_saves_on_both_nodes_and_resumes(gpu_cluster: Testbed, tmp_path: Path) -> None:
+    job = fault_run("preempted", tmp_path, 60)
+    run_dir = tmp_path / "preempted"
+    wait_for(lambda: (rank_of(run_dir, 1).get("step") or 0) >= 15, 600, "training on both nodes")
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    (requeue,) = wait_for(lambda: run_events(run_dir, "requeue"), 300, "the requeue")
+    assert requeue["reason"] == "preempted" and requeue["signal_to_saved_s"] < 10
+    assert final_state(job) == "COMPLETED"
+    assert run_events(run_dir, "start")[-1]["step"] == requeue["step"] and logged_once(run_dir, 60)
+
+
+def test_fault_time_limit_requeues_and_the_run_completes(gpu_cluster: Testbed, tmp_path: Path) -> None:
+    job = fault_run("timed", tmp_path, 400, "--time-min", "2")  # the warning (USR2) 30-90 s before 2 min
+    run_dir = tmp_path / "timed"
+    (requeue,) = wait_for(lambda: run_events(run_dir, "requeue"), 600, "the time limit's requeue")
+    assert requeue["reason"] == "timeout"
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=30"], check=True)  # room to finish
+    assert final_state(job) == "COMPLETED"
+    assert run_events(run_dir, "start")[-1]["step"] == requeue["step"] and logged_once(run_dir, 400)
+
+
+def test_fault_stopped_rank_on_node_2_is_named_and_the_run_goes_on_without_it(gpu_cluster: Testbed,
+                                                                               tmp_path: Path) -> None:
+    job = fault_run("stopped", tmp_path, 120)
+    run_dir = tmp_path / "stopped"
+    victim = wait_for(lambda: (r := rank_of(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
+                      "training")
+    os.kill(victim["pid"], signal.SIGSTOP)
+    (hang,) = wait_for(lambda: run_events(run_dir, "hang"), 300, "the hang verdict")
+    assert (hang["ranks"], hang["hosts"]) == ([1], [victim["host"]])
+    bundle = Path(hang["bundle"])
+    assert (bundle / "stacks-rank-0.txt").exists() and (bundle / "nccl-flight-recorder-rank-0.pkl").exists()
+    (restart,) = wait_for(lambda: run_events(run_dir, "restart"), 300, "the restart on node 1")
+    assert restart["left_out"] == [victim["host"]]
+    assert (restart["world_before"], restart["world_after"]) == (2, 1)
+    starts = run_events(run_dir, "start")
+    assert starts[-1]["world_size"] == 1 and starts[-1]["effective_batch"] == starts[0]["effective_batch"]
+    assert final_state(job) == "COMPLETED" and logged_once(run_dir, 120)
+
+
+def test_fault_every_rank_of_node_2_killed_is_named_and_left_out(gpu_cluster: Testbed,
+                                                                 tmp_path: Path) -> None:
+    job = fault_run("killed", tmp_path, 120)
+    run_dir = tmp_path / "killed"
+    victim = wait_for(lambda: (r := rank_of(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
+                      "training")
+    os.kill(victim["pid"], signal.SIGKILL)
+    (killed,) = wait_for(lambda: run_events(run_dir, "killed"), 300, "the kill to be named")
+    assert (killed["ranks"], killed["hosts"]) == ([1], [victim["host"]])
+    (restart,) = wait_for(lambda: run_events(run_dir, "restart"), 300, "the restart on node 1")
+    assert restart["cause"] == "killed" and restart["left_out"] == [victim["host"]]
+    assert final_state(job) == "COMPLETED" and logged_once(run_dir, 120)
+
+
+def test_fault_resume_two_nodes_then_one_then_two_keeps_the_losses(gpu_cluster: Testbed,
+                                                                   tmp_path: Path) -> None:
+    for nodes, steps in ((2, 20), (1, 40), (2, 60)):
+        done = taehv("submit", "--nodes", str(nodes), "--gpus-per-node", "1", *small_shipped_run(steps),
+                     "--name", "resumed", "--follow", job_dir=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:]
+    run_dir = tmp_path / "resumed"
+    starts = run_events(run_dir, "start")
+    assert [(s["step"], s["world_size"]) for s in starts] == [(0, 2), (20, 1), (40, 2)]
+    losses = {r["step"]: r["loss"] for r in metrics(run_dir) if "loss" in r}
+    for at in (20, 40):  # the step after each resume continues the curve (bf16, another world size)
+        assert abs(losses[at + 2] - losses[at]) <= 0.1 * losses[at], (at, losses[at], losses[at + 2])

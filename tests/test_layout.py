@@ -27,7 +27,7 @@ from tests.helpers import REPO
 
 PACKAGE = REPO / "taehv_slurm"
 SHARED = {"taehv_slurm.config", "taehv_slurm.changes", "taehv_slurm.plan", "taehv_slurm.messages",
-          "taehv_slurm.security", "taehv_slurm.machine",
+          "taehv_slurm.security", "taehv_slurm.machine", "taehv_slurm.train_config", "taehv_slurm.typed_yaml",
           "taehv_slurm.submitit_api"}
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 500, 60
 

@@ -33,12 +33,12 @@ def add_job_dir(p: argparse.ArgumentParser) -> None:
 
 
 SHORTCUTS = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "partition": "--partition",
-             "time_min": "--time-min", "max_parallel": "--max-parallel"}
+             "time_min": "--time-min", "max_parallel": "--max-parallel", "spare_nodes": "--spare-nodes"}
 
 
 def cluster_flag_overrides(args: argparse.Namespace, cluster_over: dict) -> dict:
-    """Fold the shortcut flags --nodes/--gpus-per-node/--partition/--time-min/--max-parallel (those a
-    CLI has) into cluster overrides."""
+    """Fold the shortcut flags --nodes/--gpus-per-node/--partition/--time-min/--max-parallel/--spare-nodes
+    (those a CLI has) into cluster overrides."""
     for key in SHORTCUTS:
         if getattr(args, key, None) is not None:
             cluster_over["array_parallelism" if key == "max_parallel" else key] = getattr(args, key)

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=["train", "smoke"], default="train", help="what to run (default train)")
     p.add_argument("--nodes", type=int, help="number of nodes (each runs one task per GPU)")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default from the cluster config)")
+    p.add_argument("--spare-nodes", type=int,
+                   help="nodes asked beyond --nodes: each can take a failed node's place inside the job "
+                        "(default from the cluster config, 0)")
     p.add_argument("--partition", help="Slurm partition")
     p.add_argument("--time-min", type=int, help="time limit in minutes (the job requeues itself past it)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -136,7 +139,8 @@ def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict]
     check_job_dir(cluster.job_dir)
     run_dir = Path(cluster.job_dir) / run_name
     where = f"partition {cluster.partition}" if cluster.partition else "default partition"
-    print(f"job: {cluster.backend} backend, {where}, {cluster.nodes} node(s) × "
+    spares = f" (+ {cluster.spare_nodes} spare node(s))" if cluster.spare_nodes else ""
+    print(f"job: {cluster.backend} backend, {where}, {cluster.nodes} node(s){spares} × "
           f"{cluster.tasks_per_node} tasks = "
           f"world size {cluster.world_size}; gres {cluster.gres_request or 'none'}, {cluster.cpus_per_task} "
           f"CPUs/task, time {cluster.time_min} min, device {cluster.task_device()}\nrun folder: {run_dir}")

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 @dataclass(frozen=True)
 class Outcome:
     """What happened to the job after every rank saved at a signal or a rank crashed: the event to record
-    (requeue, cancelled, requeue_failed, exited_for_restart) and its fields."""
+    (requeue, cancelled, requeue_failed, exited_for_restart, step_ended) and its fields."""
 
     event: str
     fields: dict[str, Any]
@@ -53,6 +53,14 @@ class RankBackend:
         leave nodes out), or say why not (requeue_failed)."""
         return Outcome("requeue_failed", {"error": f"the {self.name} backend cannot requeue a job",
                                           "fix": "submit the run again with the same name to resume"})
+
+    def end_step(self) -> None:
+        """End this rank's job step at once, every rank of it (a hang or a failure found here, where the job
+        starts its ranks again by itself): nothing to do where the ranks are not a job step."""
+
+    def seconds_left(self, job_id: str) -> float | None:
+        """Seconds until the job's time limit, None when unknown or unlimited."""
+        return None
 
     def lock_holder_live(self, holder: dict[str, Any]) -> str | None:
         """'job 123 (RUNNING)' while the job recorded in a run lock (of any backend) may still run, else

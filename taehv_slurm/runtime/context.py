@@ -267,7 +267,9 @@ class RunContext:
                 outcome = {"requeue": f"requeued ({fields['reason']}, by {fields.get('by')})",
                            "cancelled": "the job was cancelled: submit the run name again to resume",
                            "exited_for_restart": f"exiting ({fields['reason']}) "
-                                                 "for the platform to restart"}[event]
+                                                 "for the platform to restart",
+                           "step_ended": f"the job step ended ({fields['reason']}): the job starts its "
+                                         "ranks again"}[event]
                 print(f"[taehv] rank 0: saved step {step}; {outcome}", flush=True)
         else:
             print(f"[taehv] rank {self.env.rank}: saved step {step}, exiting ({reason})", flush=True)

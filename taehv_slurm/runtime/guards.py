@@ -30,10 +30,14 @@ def is_hardware_fault(error: str) -> bool:
     return any(mark.lower() in error.lower() for mark in HARDWARE_MARKS)
 
 
+def is_communication_error(error: str) -> bool:
+    """A failure that says a peer or the network went away (often the echo of a peer that died)."""
+    return any(mark.lower() in error.lower() for mark in COMMUNICATION_MARKS)
+
+
 def is_node_fault(event: dict[str, Any]) -> bool:
     error = str(event.get("error") or "")
-    return (event["event"] in ("killed", "hang") or is_hardware_fault(error)
-            or any(mark.lower() in error.lower() for mark in COMMUNICATION_MARKS))
+    return event["event"] in ("killed", "hang") or is_hardware_fault(error) or is_communication_error(error)
 
 
 def signature(event: dict[str, Any]) -> str:

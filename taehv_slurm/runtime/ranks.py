@@ -1,13 +1,14 @@
 """Each rank's own record in the run folder: who it is, where it runs, how far it got, how it ended.
 
     <run_dir>/ranks/<rank>.json    {"job_id", "restart", "rank", "world_size", "host", "pid", "started",
-                                    "time", "step", "section", "since", "exit_code", "ended"}
+                                    "time", "step", "section", "since", "exit_code", "ended", "launch"}
 
 Written when the rank starts, refreshed while it runs (by its watchdog thread, every few seconds: the
 main thread only updates the record in memory), and closed with the exit code when the process ends
 by any path Python sees. So once a job attempt is over, a rank whose record has no exit code was
 ended from outside — a signal, the out-of-memory killer, a lost node — and `killed_ranks` names it.
-A record of another attempt (job id or restart count differs) is stale and never read as this one's.
+A record of another attempt (job id, restart count or launch — the job step inside one allocation —
+differs) is stale and never read as this one's.
 """
 
 from __future__ import annotations
@@ -47,17 +48,18 @@ class RankRecord:
     since: float = 0.0  # when it entered that section
     exit_code: int | None = None
     ended: float | None = None
+    launch: int = 0  # which job step of its allocation (taehv_slurm.runtime.steps)
 
 
 class RankFile:
     """This rank's record, kept in memory and written to `<run_dir>/ranks/<rank>.json`."""
 
     def __init__(self, run_dir: str | os.PathLike, job_id: str, restart: int, rank: int,
-                 world_size: int) -> None:
+                 world_size: int, launch: int = 0) -> None:
         now = time.time()
         self.path = Path(run_dir) / RANKS_DIR / f"{rank}.json"
         self.record = RankRecord(str(job_id), restart, rank, world_size, node_name(), os.getpid(), now, now,
-                                 since=now)
+                                 since=now, launch=launch)
         self._lock = threading.Lock()
 
     def started(self) -> None:
@@ -85,8 +87,10 @@ class RankFile:
         self.write()
 
 
-def read_ranks(run_dir: str | os.PathLike, job_id: str, restart: int) -> list[dict[str, Any]]:
-    """The records of job `job_id`'s attempt `restart`, by rank (records of other attempts are left out)."""
+def read_ranks(run_dir: str | os.PathLike, job_id: str, restart: int,
+               launch: int = 0) -> list[dict[str, Any]]:
+    """The records of job `job_id`'s attempt `restart`, its job step `launch`, by rank (records of other
+    attempts and steps are left out)."""
     folder = Path(run_dir) / RANKS_DIR
     records = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
@@ -94,7 +98,8 @@ def read_ranks(run_dir: str | os.PathLike, job_id: str, restart: int) -> list[di
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        if str(record.get("job_id")) == str(job_id) and int(record.get("restart", -1)) == restart:
+        if (str(record.get("job_id")) == str(job_id) and int(record.get("restart", -1)) == restart
+                and int(record.get("launch", 0)) == launch):
             records.append(record)
     return sorted(records, key=lambda r: r["rank"])
 

@@ -38,10 +38,11 @@ from taehv_slurm.runtime.backend import RankBackend
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.context import FatalTaskError, RequeueExit, RunContext, StopFlag, grace_seconds
 from taehv_slurm.runtime.distenv import DistEnv, attempt_of_environ
-from taehv_slurm.runtime.guards import Guards, is_hardware_fault
+from taehv_slurm.runtime.guards import Guards, is_communication_error, is_hardware_fault
 from taehv_slurm.runtime.ranks import RankFile, describe_ranks, killed_ranks, node_name, read_ranks
 from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.runtime.runlock import RunLock
+from taehv_slurm.runtime.steps import Placement, in_step_loop, launch_number
 from taehv_slurm.runtime.watchdog import Verdict, Watchdog, WatchdogSettings
 from taehv_slurm.security import make_private_dir
 
@@ -104,7 +105,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
                  max_requeues_without_progress: int = 2, requeue_on_failure: bool = True,
                  signal_delay_s: int = 120, kill_wait_s: int = 30,
                  backend: RankBackend | None = None, exclude_failed_nodes: bool = True,
-                 watchdog: WatchdogSettings | None = None) -> None:
+                 watchdog: WatchdogSettings | None = None, placement: Placement | None = None) -> None:
         check_takes_context(task)
         self.task = task
         self.backend = backend or RankBackend()
@@ -114,6 +115,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         self.exclude_failed_nodes = exclude_failed_nodes
         self.watchdog = watchdog or WatchdogSettings()
         self.grace_s = grace_seconds(signal_delay_s, kill_wait_s)
+        self.placement = placement  # None: a fault requeues the job; else the batch script restarts its ranks
 
     def __call__(self) -> Any:
         stop = StopFlag(self.grace_s)
@@ -124,7 +126,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         # launched directly too
         run_dir = make_private_dir(self.run_dir, os.environ.get("TAEHV_SHARED_GROUP") or None)
         env = DistEnv.from_environ()
-        record = RankFile(run_dir, env.job_id, env.restart_count, env.rank, env.world_size)
+        record = RankFile(run_dir, env.job_id, env.restart_count, env.rank, env.world_size, launch_number())
         watchdog = Watchdog(run_dir, record, self.watchdog, on_hang=lambda verdict, bundle: None)
         watchdog.start()
         try:
@@ -191,6 +193,15 @@ class RequeueableTask(submitit.helpers.Checkpointable):
     def _saved_step(run_dir: Path) -> int:
         return Checkpointer(run_dir / "checkpoints").latest_step() or 0
 
+    def stop_reason(self, events: EventLog, run_dir: Path, job_id: str, segment: int | None) -> str | None:
+        """The guards a restart or requeue would apply (so a hopeless job is not restarted just to stop):
+        why the run must not go on (the `stopped` event recorded), else None."""
+        reason = self.guards.refuse_reason(events.read(), job_id, self._saved_step(run_dir))
+        if reason:
+            events.write("stopped", segment=segment, reason=reason, job_id=job_id)
+            print(f"[taehv] not requeueing: {reason}", flush=True)
+        return reason
+
     def _on_failure(self, ctx: RunContext, err: Exception) -> None:
         error = one_line(err)
         if isinstance(err, FatalTaskError):  # the same on every rank: rank 0 records it, in one line
@@ -205,12 +216,22 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             print(f"[taehv] rank {ctx.env.rank}: {error} (after the job's {settled[-1]['event']}: leaving)",
                   flush=True)
             raise RequeueExit(self.backend.requeue_exit_code) from None
+        restartable = (self.requeue_on_failure and ctx.start_step is not None
+                       and self.backend.restarts_after_failure)
+        # Where the batch script restarts the ranks, this rank ends the job step at once, unless its error is
+        # the echo of a peer that died (a lost connection): then the peer's own end names the cause.
+        ends_step = restartable and self.restarts_here() and not is_communication_error(error)
+        marks = {"ends_step": True} if ends_step else {}
         ctx.events.write("failure", segment=ctx.segment, rank=ctx.env.rank, step=ctx.step, error=error,
-                         job_id=ctx.env.job_id, host=node_name())
+                         job_id=ctx.env.job_id, host=node_name(), **marks)
         traceback.print_exc()
-        if not (self.requeue_on_failure and ctx.start_step is not None
-                and self.backend.restarts_after_failure):
+        if not restartable:
             return  # failed before training started (bad config, data, environment): requeueing cannot help
+        if self.restarts_here():
+            if ends_step:
+                sys.stdout.flush()
+                self.backend.end_step()
+            return  # the batch script decides what follows (taehv_slurm.runtime.steps)
         claim = ctx.run_dir / f".requeue-claim-{ctx.env.job_id}-{ctx.segment}"
         try:  # exactly one failing rank requeues this segment
             os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -218,19 +239,19 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             # another rank requeues: leave quietly, so the job is not ended before it does
             raise RequeueExit(self.backend.requeue_exit_code) from None
         exclude = [node_name()] if self.exclude_failed_nodes and is_hardware_fault(error) else []
-        self._requeue_or_stop(ctx.events, ctx.run_dir, ctx.env.job_id, ctx.segment, "failure", ctx.step,
-                              exclude, since=ctx.start_time)
+        event = self._requeue_or_stop(ctx.events, ctx.run_dir, ctx.env.job_id, ctx.segment, "failure",
+                                      ctx.step, exclude, since=ctx.start_time)
+        if event == "stopped":
+            raise StopRequested([e for e in ctx.events.read() if e["event"] == "stopped"][-1]["reason"])
+        if event == "requeue":
+            raise RequeueExit(self.backend.requeue_exit_code)
+        # requeue_failed: the error stands, the job ends FAILED
 
-    def _requeue_or_stop(self, events: EventLog, run_dir: Path, job_id: str, segment: int, reason: str,
+    def _requeue_or_stop(self, events: EventLog, run_dir: Path, job_id: str, segment: int | None, reason: str,
                          failed_at: int | None, exclude: list[str], since: float) -> str:
         """After a failure: the guards a restart would apply (so a hopeless job is not requeued just to stop),
         then the backend's requeue (without the `exclude` nodes). Returns the event recorded."""
-        stop_reason = self.guards.refuse_reason(events.read(), job_id, self._saved_step(run_dir))
-        if stop_reason:
-            events.write("stopped", segment=segment, reason=stop_reason, job_id=job_id)
-            print(f"[taehv] not requeueing: {stop_reason}", flush=True)
-            if reason == "failure":
-                raise StopRequested(stop_reason)
+        if self.stop_reason(events, run_dir, job_id, segment):
             return "stopped"
         saved = Checkpointer(run_dir / "checkpoints").read_meta()
         lost = round(time.time() - max(saved["saved_at"] if saved else 0.0, since), 1)
@@ -239,19 +260,21 @@ class RequeueableTask(submitit.helpers.Checkpointable):
                   "job_id": job_id}
         outcome = self.backend.requeue_after_failure(job_id, exclude)
         events.write(outcome.event, **fields, **outcome.fields)
-        if outcome.event == "requeue" and reason == "failure":
-            raise RequeueExit(self.backend.requeue_exit_code)
-        return outcome.event  # requeue_failed: the error stands, the job ends FAILED
+        return outcome.event
 
     def _on_hang(self, ctx: RunContext, verdict: Verdict, bundle: Path) -> None:
         """On the watchdog thread of the rank that found a hang: record the verdict, restart the job without
         the culprits' nodes (where the backend can), and end this rank (its main thread is stuck)."""
         step = min((int(r["step"] or 0) for r in verdict.culprits), default=ctx.step)
+        here = self.restarts_here()
         ctx.events.write("hang", segment=ctx.segment, step=step, ranks=[r["rank"] for r in verdict.culprits],
                          hosts=verdict.hosts, section=verdict.section, detail=verdict.line(),
-                         bundle=str(bundle),
-                         job_id=ctx.env.job_id)
+                         bundle=str(bundle), job_id=ctx.env.job_id, **({"ends_step": True} if here else {}))
         print(f"[taehv] {verdict.line()}; stacks and verdict: {bundle}", flush=True)
+        if here:  # the batch script restarts the ranks without the culprits' nodes: end every rank now
+            sys.stdout.flush()
+            self.backend.end_step()
+            os._exit(1)
         exclude = verdict.hosts if self.exclude_failed_nodes else []
         try:
             event = self._requeue_or_stop(ctx.events, ctx.run_dir, ctx.env.job_id, ctx.segment, "hang", step,
@@ -262,13 +285,24 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         sys.stdout.flush()
         os._exit(self.backend.requeue_exit_code if event == "requeue" else 1)
 
+    def restarts_here(self) -> bool:
+        """After a fault, the batch script starts the ranks again inside the allocation (the cluster's
+        restart_in_allocation, and a script that loops; jobs queued by older code have neither)."""
+        return getattr(self, "placement", None) is not None and in_step_loop()
+
     # ------------------------------------------------------------------------------ after the ranks
     def after_ranks(self, status: int, last_error: str = "") -> int:
         """Where the ranks were started from, once all ended with `status` (srun's: non-zero when one
         failed, 128 + N when one was killed by signal N): record what the ranks could not — ranks ended
         from outside, a job that died before its task began — and requeue the job off the dead ranks'
         nodes when that can help. `last_error`: the last error line of rank 0's log. Returns `status`, or the
-        backend's requeue code when it requeued and the backend restarts ranks by their exit code."""
+        backend's requeue code when it requeued and the backend restarts ranks by their exit code. Where the
+        batch script restarts the ranks inside the allocation, taehv_slurm.runtime.restart decides instead
+        (and may return RESTART_EXIT_CODE)."""
+        if self.restarts_here():
+            from taehv_slurm.runtime.restart import after_step
+
+            return after_step(self, status, last_error)
         if status == 0:
             return 0
         run_dir, (job_id, restart) = Path(self.run_dir), attempt_of_environ()
@@ -286,11 +320,8 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             error = last_error or f"the ranks ended with exit code {status} before the task started"
             events.write("failure", segment=segment, rank=None, step=None, job_id=job_id, error=error)
             return status
+        name, detail, step = self.describe_killed(killed, status)
         signum = status - 128 if status > 128 else None
-        name = signal.Signals(signum).name if signum in signal.valid_signals() else f"exit code {status}"
-        step = max((int(r["step"]) for r in killed if r.get("step") is not None), default=None)
-        detail = (f"{describe_ranks(killed)} {'were' if len(killed) > 1 else 'was'} killed by {name}"
-                  f"{SIGNAL_NOTES.get(signum, '')}" + (f" at step {step}" if step is not None else ""))
         hosts = sorted({r["host"] for r in killed})
         events.write("killed", segment=segment, ranks=[r["rank"] for r in killed], hosts=hosts, signal=signum,
                      signal_name=name, step=step, detail=detail, job_id=job_id)
@@ -302,3 +333,13 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             if event == "requeue" and self.backend.requeue_exit_code:  # a controller restarts by exit code
                 return self.backend.requeue_exit_code
         return status
+
+    @staticmethod
+    def describe_killed(killed: list[dict[str, Any]], status: int) -> tuple[str, str, int | None]:
+        """(signal name, one line naming the killed ranks, the step) from their records and srun's status."""
+        signum = status - 128 if status > 128 else None
+        name = signal.Signals(signum).name if signum in signal.valid_signals() else f"exit code {status}"
+        step = max((int(r["step"]) for r in killed if r.get("step") is not None), default=None)
+        detail = (f"{describe_ranks(killed)} {'were' if len(killed) > 1 else 'was'} killed by {name}"
+                  f"{SIGNAL_NOTES.get(signum, '')}" + (f" at step {step}" if step is not None else ""))
+        return name, detail, step

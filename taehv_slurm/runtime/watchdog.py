@@ -13,10 +13,11 @@ When a section times out, the rank reads every rank's record and names the culpr
  - else the ranks that are behind: the lowest step, or at that step a section other than the one the
    others wait in (a rank stuck reading data while the others wait in the gradient all-reduce).
 The lowest healthy rank acts, once per attempt (a claim file): it asks every rank for its Python stacks,
-writes the bundle `hang-<job>-<restart>/` in the run folder (verdict.txt, verdict.json, stacks-rank-N.txt,
-NCCL's flight recorder on GPUs), and hands the verdict to `on_hang` (RequeueableTask records it and has
-the backend restart the job without the culprits' nodes). Ranks blocked in a collective cannot be
-interrupted from Python; the restart's signals and their grace end them.
+writes the bundle `hang-<job>-<restart>[-<launch>]/` in the run folder (verdict.txt, verdict.json,
+stacks-rank-N.txt, NCCL's flight recorder on GPUs), and hands the verdict to `on_hang` (RequeueableTask
+records it and has the job start its ranks again without the culprits' nodes: inside its allocation, or
+requeued). Ranks blocked in a collective cannot be interrupted from Python; the end of their job step
+(SIGKILL) or the requeue's signals and their grace end them.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ class Watchdog:
                  on_hang: Callable[[Verdict, Path], None]) -> None:
         self.run_dir, self.rank_file, self.settings, self.on_hang = run_dir, rank_file, settings, on_hang
         self.clock = SectionClock(settings)
-        self.bundle = run_dir / f"hang-{rank_file.record.job_id}-{rank_file.record.restart}"
+        me = rank_file.record  # one bundle per job step: its attempt, and its launch inside the allocation
+        self.bundle = run_dir / f"hang-{me.job_id}-{me.restart}{f'-{me.launch}' if me.launch else ''}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="taehv-watchdog", daemon=True)
         self._acted = False
@@ -172,7 +174,7 @@ class Watchdog:
         """This rank's section timed out: name the culprits; the lowest healthy rank writes the bundle and
         acts."""
         me = self.rank_file.record
-        records = read_ranks(self.run_dir, me.job_id, me.restart)
+        records = read_ranks(self.run_dir, me.job_id, me.restart, me.launch)
         found = verdict(records, time.time(), self.settings.stale_after_s, section, waited, timeout)
         healthy = [r["rank"] for r in records if r["rank"] not in found.why]
         if not healthy or min(healthy) != me.rank:

@@ -1,0 +1,99 @@
+"""The job steps of one Slurm allocation: where the ranks run, and where they run again after a fault.
+
+A training job holds its allocation — the nodes it trains on, plus its spare nodes — and its batch script
+starts the ranks as a job step (`srun`) on the nodes this module names. When a step ends in a fault (a rank
+failed, hung or was killed), `RequeueableTask.after_ranks` decides, in the batch script, whether the ranks
+start again inside the allocation — on the healthy nodes, a spare taking a failed node's place, or on fewer
+nodes at the same effective batch — and writes the next step's placement here; the script starts it without
+going back to the queue. The loop in the script (taehv_slurm.executor):
+
+    python -m taehv_slurm.runtime.steps first FOLDER NODES TASKS_PER_NODE    # the first step's nodes
+    while :; do srun $(cat FOLDER/<job>_srun_args) ... entry FOLDER RUN_DIR
+                entry --after $? FOLDER RUN_DIR || [ $? = 75 ] && next launch ... ; done
+
+Only the submitting side writes that loop (jobs queued by older code run one step, as before).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from taehv_slurm.runtime.distenv import expand_nodelist
+
+LAUNCH_ENV = "TAEHV_LAUNCH"  # 0 for the allocation's first step, +1 for each restart inside it
+STEP_LOOP_ENV = "TAEHV_STEP_LOOP"  # set by a batch script that restarts steps: the ranks leave that to it
+RESTART_EXIT_CODE = 75  # `entry --after`'s answer: start the ranks again (EX_TEMPFAIL)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How many nodes a run trains on, with how many tasks each, and the fewest it may shrink to."""
+
+    nodes: int
+    tasks_per_node: int
+    min_nodes: int
+
+    def choose(self, allocation: Sequence[str], excluded: Sequence[str]) -> list[str] | None:
+        """The nodes of the next step: `nodes` healthy ones in the allocation's order (a spare takes a failed
+        node's place), else every healthy one if that is at least `min_nodes` (the run shrinks), else None."""
+        healthy = [n for n in allocation if n not in set(excluded)]
+        if len(healthy) >= self.nodes:
+            return healthy[:self.nodes]
+        return healthy if len(healthy) >= max(1, self.min_nodes) else None
+
+    def srun_args(self, nodes: Sequence[str]) -> str:
+        """srun's flags for a step of the ranks on `nodes`."""
+        return (f"--nodes={len(nodes)} --ntasks={len(nodes) * self.tasks_per_node} "
+                f"--ntasks-per-node={self.tasks_per_node} --nodelist={','.join(nodes)}")
+
+
+def in_step_loop(environ: Mapping[str, str] | None = None) -> bool:
+    """This process runs under a batch script that starts the ranks again after a fault."""
+    return (os.environ if environ is None else environ).get(STEP_LOOP_ENV) == "1"
+
+
+def launch_number(environ: Mapping[str, str] | None = None) -> int:
+    """Which step of its allocation this is: 0 first, +1 per restart inside the allocation."""
+    return int((os.environ if environ is None else environ).get(LAUNCH_ENV) or 0)
+
+
+def allocation_nodes(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The job's nodes in Slurm's order (SLURM_JOB_NODELIST), [] outside a Slurm job."""
+    nodelist = (os.environ if environ is None else environ).get("SLURM_JOB_NODELIST")
+    return expand_nodelist(nodelist) if nodelist else []
+
+
+def args_path(folder: str | os.PathLike, job_id: str) -> Path:
+    """Where the batch script reads the next step's srun flags."""
+    return Path(folder) / f"{job_id}_srun_args"
+
+
+def write_step(folder: str | os.PathLike, job_id: str, placement: Placement, nodes: Sequence[str]) -> None:
+    path = args_path(folder, job_id)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(placement.srun_args(nodes) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`first FOLDER NODES TASKS_PER_NODE`: the first step's flags, on the first NODES nodes."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 4 or args[0] != "first":
+        print("usage: python -m taehv_slurm.runtime.steps first FOLDER NODES TASKS_PER_NODE", file=sys.stderr)
+        return 2
+    placement = Placement(int(args[2]), int(args[3]), int(args[2]))
+    nodes = placement.choose(allocation_nodes(), ())
+    if nodes is None:
+        print(f"[taehv] the allocation ({os.environ.get('SLURM_JOB_NODELIST')}) has fewer than "
+              f"{args[2]} nodes", file=sys.stderr)
+        return 1
+    write_step(args[1], os.environ["SLURM_JOB_ID"], placement, nodes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

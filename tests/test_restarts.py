@@ -1,0 +1,158 @@
+"""A lost node costs a minute, not a place in the queue (real Slurm testbed, 3 nodes; faults inflicted from
+outside the job, as a cluster inflicts them):
+
+- `spare`: a 2-node run with 1 spare node (2 ranks per node); every rank of its second node is SIGKILLed: the
+  job starts its ranks again on the spare, inside the allocation it holds — same job id, no requeue, world
+  size kept, at most a checkpoint interval of steps lost — within 60 s plus the start-up; it completes with
+  every step logged once.
+- `stopped`: the same run, one rank of the second node SIGSTOPped: the hang verdict (floor 30 s), then the
+  same restart on the spare, within the hang threshold + 60 s plus the start-up.
+- `shrink`: no spare, `min_nodes: 1`: the second node's ranks killed, the run goes on with one node at the
+  same effective batch (twice the accumulation), and after its next requeue (`scontrol requeue`) it is back
+  on two.
+Without a spare and with `min_nodes` at `nodes` (the default), a lost node still requeues the job without it
+(tests/test_hangs.py, tests/test_failures.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from taehv_slurm.handle import JobHandle
+from taehv_slurm.runtime.steps import Placement
+from taehv_slurm.training import submit_training
+from tests.helpers import events, make_cluster, metrics, quick_train, rank_record, wait_done, wait_for
+
+pytestmark = pytest.mark.usefixtures("slurm_cluster")
+CKPT_EVERY, HANG_FLOOR_S, HEARTBEAT_S = 10, 30.0, 3.0
+STEADY = {"intervals.log_every": 2, "intervals.ckpt_every": CKPT_EVERY, "intervals.val_every": 10_000}
+
+
+@dataclass
+class Jobs:
+    spare: JobHandle
+    stopped: JobHandle
+    shrink: JobHandle
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
+    job_dir = tmp_path_factory.mktemp("restarts")
+
+    def cluster(**overrides):
+        return make_cluster(job_dir, nodes=2, gpus_per_node=2, time_min=20, hang_floor_s=HANG_FLOOR_S,
+                            heartbeat_s=HEARTBEAT_S, **overrides)
+
+    def submit(name: str, steps: int, **overrides) -> JobHandle:
+        train = {k: overrides.pop(k) for k in list(overrides) if "." in k}
+        return submit_training(cluster(**overrides), quick_train(steps=steps, **STEADY, **train), name)[0]
+
+    # `stopped` and `shrink` outlast the tests before them (they are ended at the module's end)
+    found = Jobs(spare=submit("spare", 160, spare_nodes=1), stopped=submit("stopped", 2000, spare_nodes=1),
+                 shrink=submit("shrink", 2000, min_nodes=1, **{"batch.per_gpu": 2}))
+    try:
+        yield found
+    finally:
+        for handle in (found.spare, found.stopped, found.shrink):
+            handle.cancel()
+
+
+def ranks_of_the_second_node(handle: JobHandle) -> list[dict]:
+    """The records of the ranks on the node of the highest rank (not the batch script's node)."""
+    wait_for(lambda: (rank_record(handle, 3).get("step") or 0) >= 25, 300, "training past a checkpoint")
+    records = [rank_record(handle, r) for r in range(4)]
+    return [r for r in records if r["host"] == records[3]["host"]]
+
+
+def restarted(handle: JobHandle) -> tuple[dict, dict]:
+    """The restart event and the first step of the segment it started."""
+    (restart,) = wait_for(lambda: events(handle, "restart"), 300, "the restart inside the allocation")
+    first = wait_for(lambda: [e for e in events(handle, "first_step")
+                              if e["segment"] == restart["segment"] + 1], 300, "the first step after it")[0]
+    return restart, first
+
+
+def logged_once_each(handle: JobHandle, until: int) -> bool:
+    """Every logged step up to `until` once: nothing lost beyond the checkpoint, nothing trained twice."""
+    kept = [r["step"] for r in metrics(handle.run_dir) if "loss" in r]
+    return kept[:until // 2 + 1] == [1, *range(2, until + 1, 2)]
+
+
+def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(jobs: Jobs) -> None:
+    handle = jobs.spare
+    victims = ranks_of_the_second_node(handle)
+    host = victims[0]["host"]
+    killed_at = time.time()
+    for record in victims:  # every rank of one node, as a node taken away leaves them
+        os.kill(record["pid"], signal.SIGKILL)
+    restart, first = restarted(handle)
+    assert restart["cause"] == "killed" and restart["left_out"] == [host]
+    assert host not in restart["nodes"] and len(restart["nodes"]) == 2 and host in restart["nodes_before"]
+    assert restart["world_before"] == restart["world_after"] == 4  # the spare keeps the world size
+    assert restart["failed_at_step"] - restart["step"] <= CKPT_EVERY  # at most a checkpoint interval lost
+    start = next(e for e in events(handle, "start") if e["segment"] == restart["segment"] + 1)
+    assert (start["job_id"], start["world_size"], start["step"]) == (handle.job_id, 4, restart["step"])
+    # training again within a minute of the kill, plus the new step's own start-up (start to first step)
+    assert first["time"] - killed_at <= 60 + first["seconds"], (first["time"] - killed_at, first["seconds"])
+    assert not events(handle, "requeue")  # it never went back to the queue
+    assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
+    assert logged_once_each(handle, 160)
+    assert host not in {rank_record(handle, r)["host"] for r in range(4)}  # the last step's ranks
+
+
+def test_a_stopped_rank_is_named_and_its_node_replaced_by_the_spare(jobs: Jobs) -> None:
+    handle = jobs.stopped
+    victim = ranks_of_the_second_node(handle)[-1]
+    stopped_at = time.time()
+    os.kill(victim["pid"], signal.SIGSTOP)  # a stuck GPU, a dead NFS mount: no progress, no exit
+    restart, first = restarted(handle)
+    (hang,) = events(handle, "hang")
+    assert hang["ranks"] == [victim["rank"]] and hang["hosts"] == [victim["host"]]
+    assert restart["cause"] == "hang" and restart["left_out"] == [victim["host"]]
+    assert restart["world_after"] == 4 and not events(handle, "requeue")
+    threshold = HANG_FLOOR_S + HEARTBEAT_S + 10  # the hang's floor, noticed within a heartbeat, and margin
+    assert first["time"] - stopped_at <= threshold + 60 + first["seconds"], first["time"] - stopped_at
+    until = restart["step"] + 20
+    wait_for(lambda: (rank_record(handle, 0).get("step") or 0) > until, 300, "training after the restart")
+    assert logged_once_each(handle, until)
+
+
+def test_without_a_spare_the_run_shrinks_then_grows_back_at_its_requeue(jobs: Jobs) -> None:
+    handle = jobs.shrink
+    victims = ranks_of_the_second_node(handle)
+    for record in victims:
+        os.kill(record["pid"], signal.SIGKILL)
+    restart, _ = restarted(handle)
+    assert restart["cause"] == "killed" and len(restart["nodes"]) == 1
+    assert (restart["world_before"], restart["world_after"]) == (4, 2)
+    starts = events(handle, "start")
+    shrunk = next(e for e in starts if e["segment"] == restart["segment"] + 1)
+    assert shrunk["world_size"] == 2 and shrunk["effective_batch"] == starts[0]["effective_batch"]
+    assert shrunk["grad_accum"] == 2 * starts[0]["grad_accum"]  # the same batch, over half the ranks
+    wait_for(lambda: (rank_record(handle, 1).get("step") or 0) >= shrunk["step"] + 10, 300,
+             "training on one node")
+    subprocess.run(["scontrol", "requeue", handle.job_id], check=True)  # a preemption: back in the queue
+    (requeue,) = wait_for(lambda: events(handle, "requeue"), 300, "the requeue")
+    grown = wait_for(lambda: [e for e in events(handle, "start") if e["segment"] > shrunk["segment"]], 300,
+                     "the start after the requeue")[0]
+    assert requeue["reason"] == "preempted" and grown["world_size"] == 4  # its full size again
+    assert grown["restart_count"] == 1
+
+
+def test_a_placement_takes_spares_first_then_shrinks_to_its_floor() -> None:
+    placement = Placement(nodes=2, tasks_per_node=8, min_nodes=1)
+    allocation = ["n1", "n2", "n3"]
+    assert placement.choose(allocation, []) == ["n1", "n2"]  # the spare waits
+    assert placement.choose(allocation, ["n2"]) == ["n1", "n3"]  # the spare takes n2's place
+    assert placement.choose(allocation, ["n2", "n3"]) == ["n1"]  # no spare left: one node, min_nodes allows
+    assert placement.choose(allocation, ["n1", "n2", "n3"]) is None
+    assert Placement(2, 8, 2).choose(["n1", "n2"], ["n2"]) is None  # min_nodes = nodes: requeue instead
+    assert placement.srun_args(["n1", "n3"]) == ("--nodes=2 --ntasks=16 --ntasks-per-node=8 "
+                                                 "--nodelist=n1,n3")
