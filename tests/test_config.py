@@ -161,10 +161,15 @@ def test_every_cluster_field_reaches_the_script_or_the_job(tmp_path: Path) -> No
                  "job_dir", "allow_task_gpu_mismatch", "secret_env", "array_parallelism"}
     requeue = {"kill_wait_s", "max_requeues", "max_requeues_without_progress", "requeue_on_failure",
                "exclude_failed_nodes", "heartbeat_s", "hang_detection", "hang_floor_s", "hang_factor",
-               "hang_uncalibrated_s"}
+               "hang_uncalibrated_s", "restart_in_allocation", "spare_nodes", "min_nodes"}
     task = requeueable_task(lambda ctx: None, tmp_path / "run", load_cluster(
         {"heartbeat_s": 7, "hang_floor_s": 90, "hang_factor": 4, "hang_uncalibrated_s": 900,
          "hang_detection": False, "exclude_failed_nodes": False, "max_requeues": 5}), SlurmBackend())
+    four = load_cluster({"nodes": 4, "min_nodes": 2, "gpus_per_node": 8})
+    placed = requeueable_task(lambda ctx: None, tmp_path / "run", four, SlurmBackend())
+    assert (placed.placement.nodes, placed.placement.min_nodes, placed.placement.tasks_per_node) == (4, 2, 8)
+    spared = sbatch_preview(load_cluster({"nodes": 2, "spare_nodes": 1, "job_dir": str(tmp_path)}), tmp_path)
+    assert "#SBATCH --nodes=3" in spared and "steps first" in spared and " 2 8 " in spared
     watchdog = task.watchdog
     assert (watchdog.interval_s, watchdog.floor_s, watchdog.factor, watchdog.uncalibrated_s, watchdog.enabled,
             task.exclude_failed_nodes, task.guards.max_requeues) == (7, 90, 4, 900, False, False, 5)
