@@ -58,7 +58,7 @@ def one_start(args: argparse.Namespace) -> dict:
             torch.backends.cudnn.benchmark = False
     engine = make_engine("allreduce", DistillModule(student), device, precision="bf16" if cuda else "fp32",
                          grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01, compile=True,
-                         compile_mode=args.mode, per_gpu_batch=args.batch, grad_accum=1, time_compute=False)
+                         compile_mode=args.mode, per_gpu_batch=args.batch, grad_accum=1)
     if args.before:
         offset = 0
         for p in (p for p in student.parameters() if p.requires_grad):

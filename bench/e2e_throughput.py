@@ -4,6 +4,7 @@ shipped, beside the isolated training step on the same GPU.
     python bench/e2e_throughput.py                                  # one GPU: prepared, synthetic, video
     python bench/e2e_throughput.py --sources prepared --steps 30
     python bench/e2e_throughput.py --smoke                          # CPU, tiny: checks the whole path runs
+    python bench/e2e_throughput.py --sources prepared --gpus 4 --watchers-ab 2  # the watchers' cost on 4 GPUs
 
 1. Data: --videos real H.264 files of --video-frames frames at 480×720 (moving synthetic scenes), written
    with PyAV into --work (kept there: a second run reuses them).
@@ -76,11 +77,13 @@ def make_teacher(folder: Path, tiny: bool) -> None:
     vae.to(torch.bfloat16).save_pretrained(str(folder))
 
 
-def local_cluster(work: Path, on_gpu: bool, cpus: int, watched: bool = True) -> Path:
-    """A 1-GPU (or, on the CPU, 1-rank) local cluster config, as a user with one GPU writes it; `watched`
-    False turns the hang watchdog and the slow-rank timing off (the A/B of their cost)."""
-    path = work / ("one_gpu.yaml" if watched else "one_gpu_unwatched.yaml")
-    path.write_text(f"backend: local\nnodes: 1\ngpus_per_node: {1 if on_gpu else 0}\ntasks_per_node: 1\n"
+def local_cluster(work: Path, on_gpu: bool, cpus: int, watched: bool = True, gpus: int = 1) -> Path:
+    """A local cluster config of `gpus` GPUs (on the CPU, that many ranks), as a user with them writes it;
+    `watched` False turns the hang watchdog and the slow-rank timing off (the A/B of their cost: with
+    several GPUs it includes timing the step's collectives, which one GPU does not run)."""
+    path = work / f"{'one_gpu' if gpus == 1 else f'{gpus}_gpus'}{'' if watched else '_unwatched'}.yaml"
+    path.write_text(f"backend: local\nnodes: 1\ngpus_per_node: {gpus if on_gpu else 0}\n"
+                    f"tasks_per_node: {gpus}\n"
                     f"cpus_per_task: {cpus}\ndevice: {'cuda' if on_gpu else 'cpu'}\ntime_min: 600\n"
                     f"signal_delay_s: 60\njob_dir: {work / 'runs'}\n"
                     + ("" if watched else "hang_detection: false\nslow_rank_windows: 0\n"))
@@ -190,7 +193,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--video-frames", type=int, default=36, help="frames per file: 3 training windows of 12")
     p.add_argument("--steps", type=int, default=30, help="training steps per source")
     p.add_argument("--warmup-steps", type=int, default=6, help="steps left out of the end-to-end figure")
-    p.add_argument("--cpus", type=int, default=12, help="cpus_per_task of the 1-GPU cluster config")
+    p.add_argument("--cpus", type=int, default=12, help="cpus_per_task of the cluster config")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="GPUs (ranks) of the end-to-end runs; the isolated step uses one")
     p.add_argument("--isolated-steps", type=int, default=5, help="0: skip the isolated step")
     p.add_argument("--timeout", type=float, default=900, help="seconds per CLI run")
     p.add_argument("--watchers-ab", type=int, default=0, metavar="PAIRS",
@@ -234,7 +239,7 @@ def measure_source(source: str, args: argparse.Namespace, work: Path, prepared: 
     train_cfg = load_train(load_train(SHIPPED).to_dict(),
                            **{k: (json.loads(v) if isinstance(v, str) and v.startswith("[") else v)
                               for k, v in sets.items()})
-    plan = plan_for(1, 1 if on_gpu else 0, train_cfg, cpus_per_task=args.cpus, device=device.type)
+    plan = plan_for(1, args.gpus if on_gpu else 0, train_cfg, cpus_per_task=args.cpus, device=device.type)
     row: dict[str, Any] = {"source": source, "exit": out.returncode, "grad_accum": plan.grad_accum,
                            "per_gpu_batch": plan.per_gpu_batch, "loader_workers": plan.num_workers,
                            "plan_notes": plan.notes, **steady(lines, args.warmup_steps, plan.effective_batch)}
@@ -245,7 +250,7 @@ def measure_source(source: str, args: argparse.Namespace, work: Path, prepared: 
         row["isolated_clips_per_s"] = isolated_step(train_cfg.to_dict(), source == "prepared", device,
                                                     args.isolated_steps)
         if "clips_per_s" in row:
-            row["ratio"] = row["clips_per_s"] / row["isolated_clips_per_s"]
+            row["ratio"] = row["clips_per_s"] / args.gpus / row["isolated_clips_per_s"]  # per GPU
     return row
 
 
@@ -254,7 +259,7 @@ def watchers_ab(source: str, args: argparse.Namespace, work: Path, prepared: Pat
     """`--watchers-ab` pairs of runs, watchers on then off, each pair on the same warm compile cache: the
     on-runs' row, with every run's clips/s and the overhead (1 − mean on / mean off)."""
     on_gpu = device.type == "cuda"
-    clusters = {w: local_cluster(work, on_gpu, args.cpus, watched=w) for w in (True, False)}
+    clusters = {w: local_cluster(work, on_gpu, args.cpus, watched=w, gpus=args.gpus) for w in (True, False)}
     no_isolated = argparse.Namespace(**{**vars(args), "isolated_steps": 0})  # the A/B is end to end only
     runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
     for _ in range(args.watchers_ab):
@@ -343,7 +348,8 @@ def main() -> None:
         if args.watchers_ab:
             rows.append(watchers_ab(source, args, work, prepared, spec, device))
             continue
-        row = measure_source(source, args, work, prepared, cluster, spec, device)
+        ranks = cluster if args.gpus == 1 else local_cluster(work, on_gpu, args.cpus, gpus=args.gpus)
+        row = measure_source(source, args, work, prepared, ranks, spec, device)
         rows.append(row)
         print(json.dumps(row), flush=True)
 

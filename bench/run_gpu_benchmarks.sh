@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host).
+# The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host; faults: all of them).
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
-#   PART: student | kernels | teacher | data | signal | watchers | gpu_tests | multi | all   (OUTDIR: bench/results)
+#   PART: student | kernels | teacher | data | signal | watchers | gpu_tests | multi | faults | all
+#   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
 # was measured, e.g. e2e_start_warm) and its output beside it as .log.
 # Wheels missing from the GPU image (deepspeed, submitit, av, diffusers, ...) must already be importable.
@@ -50,6 +51,12 @@ if want watchers; then
 fi
 if want gpu_tests; then
   NOJSON=1 LIMIT=1500 run gpu_tests 1 python3 -m pytest -m gpu -n 0 -q -p no:cacheprovider
+fi
+if want faults && (( $(gpus) >= 2 )); then  # on every GPU: the watchers' cost, then each slow-rank fault named
+  n=$(gpus)
+  LIMIT=2400 run e2e_watchers_ab "$n" python3 bench/e2e_throughput.py --sources prepared --gpus "$n" \
+    --watchers-ab 2 --work /tmp/taehv-e2e
+  LIMIT=2400 run slow_rank_faults "$n" python3 bench/slow_rank_faults.py --data /tmp/taehv-e2e/prepared --gpus "$n"
 fi
 if want multi && (( $(gpus) >= 2 )); then
   run train_throughput 2 python3 bench/train_throughput.py --gpus 2 --engines allreduce \

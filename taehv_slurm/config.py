@@ -70,8 +70,8 @@ class RuntimeSettings:
     gpu_memory_gb: float = 80.0
     cpus_per_task: int = 8
     run_dir: str | None = None  # where a task called directly (no scheduler) writes; None: runs/<train name>
-    slow_rank_margin: float = 0.3  # a rank whose compute per step exceeds the median by this much is slow
-    slow_rank_windows: int = 3  # ... in this many log windows in a row: then it is named
+    slow_rank_margin: float | None = None  # ClusterConfig's; None: by device (stragglers.DEFAULT_MARGIN)
+    slow_rank_windows: int = 3  # late in this many log windows in a row: named (0: no step timed)
     compile_cache_dir: str | None = None  # torch.compile's caches, shared by every attempt, shard and rank
 
     @classmethod
@@ -123,10 +123,9 @@ class ClusterConfig:
     hang_floor_s: float = 60.0
     hang_factor: float = 5.0
     hang_uncalibrated_s: float = 1800.0
-    # A rank whose compute per step (waits on the others and on data excluded) is more than
-    # slow_rank_margin above the median in slow_rank_windows log windows in a row is named (report only).
-    slow_rank_margin: float = 0.3
-    slow_rank_windows: int = 3  # 0: off (no step is timed)
+    # The rank the others wait for (report only, docs/failures.md); margin None: 0.1 on GPUs, 0.5 on CPUs.
+    slow_rank_margin: float | None = None  # late: the others wait > this × their time to reach the collective
+    slow_rank_windows: int = 3  # late this many log windows in a row: named; 0: off (no step is timed)
     setup: list[str] = field(default_factory=list)  # shell lines run before srun
     env: dict[str, str] = field(default_factory=dict)  # exported in the job
     secret_env: list[str] = field(default_factory=list)  # env names never written anywhere
@@ -256,8 +255,9 @@ class ClusterConfig:
         check(0.5 <= self.heartbeat_s <= self.hang_floor_s / 3, source,
                f"heartbeat_s={self.heartbeat_s} must be at least 0.5 and at most hang_floor_s / 3 "
                f"({self.hang_floor_s / 3:g}): a hang is told by records older than three heartbeats")
+        margin = self.slow_rank_margin
         check(self.hang_factor >= 1 and self.hang_uncalibrated_s >= self.hang_floor_s
-               and self.slow_rank_margin > 0 and self.slow_rank_windows >= 0, source,
+              and (margin is None or margin > 0) and self.slow_rank_windows >= 0, source,
                "hang_factor must be ≥ 1, hang_uncalibrated_s ≥ hang_floor_s, slow_rank_margin > 0 and "
                "slow_rank_windows ≥ 0 (0: off)")
         check(self.mem_gb is None or self.mem_gb > 0, source, f"mem_gb must be > 0, got {self.mem_gb}")

@@ -23,6 +23,7 @@ from taehv_slurm.backends import backend_named
 from taehv_slurm.config import ClusterConfig, load_cluster
 from taehv_slurm.goodput import attempt_rows, frame_of, run_totals
 from taehv_slurm.registry import find_record, read_registry, run_name
+from taehv_slurm.reports import slow_rank_note
 from taehv_slurm.runtime.provenance import commit_label, read_attempts
 from taehv_slurm.runtime.runfiles import EventLog
 
@@ -351,7 +352,8 @@ class JobHandle:
 
     def summary(self) -> dict[str, Any]:
         """One status row: id, run, state, step/total, requeues, swept values, and why it stopped or
-        failed."""
+        failed; the note also names a rank named slow that cost the run ≥ SLOW_RANK_NOTE_SHARE of its step
+        time (taehv_slurm.reports.slow_rank_note)."""
         step, total = self.last_step(), self.total_steps
         state = self.state
         note = self.stop_reason or (self.error if not slurm.is_success(state) else None) or ""
@@ -364,6 +366,8 @@ class JobHandle:
             note = "; ".join([*(f"requeued at step {e['step']} "
                                 f"({killed.get(e.get('segment')) or e['reason']})" for e in requeues),
                               *map(describe_restart, restarts)])
+        if slow := slow_rank_note(EventLog(self.run_dir / "metrics.jsonl").read()):
+            note = f"{note}; {slow}" if note else slow
         totals = run_totals(self._goodput_rows()) if "train" in self.record else {}
         node_h = round(totals["allocated_node_s"] / 3600, 4) if totals else None
         return {"job_id": self.job_id, "run": self.name, "state": state,

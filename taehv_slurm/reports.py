@@ -11,7 +11,7 @@ import html
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 # Columns first in `metrics()`, in this order (others follow as the trainer wrote them).
 METRIC_COLUMNS = ("step", "time", "event", "loss", "psnr", "samples_per_second", "lr", "gpu_memory_gb")
+# `taehv status` notes the rank (or the link) that cost a run at least this share of its step time.
+SLOW_RANK_NOTE_SHARE = 0.05
 
 
 # ------------------------------------------------------------------------------------ frames
@@ -51,6 +53,38 @@ def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, An
     frame["elapsed_s"] = frame["time"] - frame["time"].min()
     frame["time"] = pd.to_datetime(frame["time"], unit="s", utc=True)
     return frame[[*METRIC_COLUMNS, *[c for c in frame.columns if c not in METRIC_COLUMNS]]]
+
+
+def slow_rank_note(rows: Iterable[Mapping[str, Any]], share: float = SLOW_RANK_NOTE_SHARE) -> str | None:
+    """The status note on the rank (or the link) named slow that cost the run most, from metrics.jsonl's
+    rows: the others' wait for it per step, summed over the late windows of each streak that got it named
+    (a window or two late by chance count for nobody), where that is at least `share` of the summed step
+    times of all windows (step 1's, with the start, left out); else None, as for runs without the timing
+    (one rank, a ZeRO engine, `slow_rank_windows: 0`)."""
+    windows = [r for r in rows if r.get("late_s") is not None and r.get("arrive_s") is not None
+               and r.get("step", 0) > 1]
+    lost: dict[tuple[Any, Any], list[Mapping[str, Any]]] = {}
+    streak: list[Mapping[str, Any]] = []
+    for r in windows:
+        key = (r.get("late_rank"), r.get("late_host"))
+        same = streak and (streak[0].get("late_rank"), streak[0].get("late_host")) == key
+        streak = [*streak, r] if r.get("late") and same else [r] if r.get("late") else []
+        if r.get("slow_ranks"):  # named in this window: its streak counts
+            lost.setdefault(key, []).extend(streak)
+            streak = []
+    total = sum(r["arrive_s"] + r["wait_s"] for r in windows)
+    if not lost or total <= 0:
+        return None
+    key = max(lost, key=lambda k: sum(w["late_s"] for w in lost[k]))
+    seconds = sum(w["late_s"] for w in lost[key])
+    if seconds < share * total:
+        return None
+    causes = [str(w.get("late_cause")) for w in lost[key]]
+    cause = max(causes, key=causes.count)
+    rank, host = key
+    who = "slow collectives (link)" if rank is None else f"rank {rank} on {host} (cause {cause})"
+    return (f"{who} cost {100 * seconds / total:.0f} % of the step time: the others waited for it in "
+            f"{len(causes)} log window(s)")
 
 
 def attempts_frame(attempts: Sequence[Mapping[str, Any]]) -> pd.DataFrame:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -38,6 +37,7 @@ from torch import nn
 from taehv_slurm.config import ConfigError, missing_engine_package
 from taehv_slurm.plan import COMPILED_ENGINES
 from taehv_slurm.trainer.losses import DistillModule, summarize
+from taehv_slurm.trainer.stragglers import StepClock, extra_compute_for_tests
 from taehv_slurm.trainer.teacher import to_unit
 
 
@@ -56,7 +56,6 @@ class StepMetrics:
     samples: int  # this rank's samples in the step (padding excluded)
     grad_norm: torch.Tensor  # global gradient norm before clipping (the same on every rank)
     skipped: torch.Tensor  # bool: the update was not applied (non-finite loss or norm; same on every rank)
-    compute: ComputeClock | None = None  # this rank's own compute in the step (None where collectives mix in)
 
     def means(self) -> dict[str, float]:
         """This rank's per-sample means (syncs with the device)."""
@@ -68,32 +67,6 @@ def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContex
     if device.type == "cuda" and precision == "bf16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-class ComputeClock:
-    """This rank's compute time in one step, waits on the other ranks excluded: host seconds on a CPU (the
-    step runs there synchronously), CUDA events on a GPU (read at the log line, so no step waits)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.began = torch.cuda.Event(enable_timing=True)
-            self.ended = torch.cuda.Event(enable_timing=True)
-            self.began.record()
-        else:
-            self.began_s, self.seconds = time.perf_counter(), 0.0
-
-    def stop(self) -> None:
-        if self.cuda:
-            self.ended.record()
-        else:
-            self.seconds = time.perf_counter() - self.began_s
-
-    def elapsed_s(self) -> float:
-        if self.cuda:
-            self.ended.synchronize()
-            return self.began.elapsed_time(self.ended) / 1000
-        return self.seconds
 
 
 class _MetricSums:
@@ -114,12 +87,10 @@ class _MetricSums:
         self.sums = vec if self.sums is None else self.sums + vec
         self.samples += batch_size
 
-    def result(self, grad_norm: torch.Tensor, skipped: torch.Tensor,
-               compute: ComputeClock | None = None) -> StepMetrics:
+    def result(self, grad_norm: torch.Tensor, skipped: torch.Tensor) -> StepMetrics:
         if self.sums is None:
             raise ValueError("train_step got no micro-batch with samples")
-        return StepMetrics(self.names, self.sums, self.samples, grad_norm.detach().to(torch.float64), skipped,
-                           compute)
+        return StepMetrics(self.names, self.sums, self.samples, grad_norm.detach().to(torch.float64), skipped)
 
     def nonfinite(self) -> torch.Tensor:
         """1.0 when a metric (the loss among them) of this rank's step is not finite, else 0.0 (device)."""
@@ -130,6 +101,7 @@ class _MetricSums:
 
 class Engine:
     kind = "base"
+    timed = False  # train_step marks a StepClock's compute and collectives (the slow-rank naming)
 
     def __init__(self, module: DistillModule, device: torch.device, precision: str, grad_clip: float) -> None:
         self.module = module
@@ -144,7 +116,9 @@ class Engine:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.student.named_parameters())
 
-    def train_step(self, microbatches: Iterable[Microbatch], lr: float) -> StepMetrics:
+    def train_step(self, microbatches: Iterable[Microbatch], lr: float,
+                   clock: StepClock | None = None) -> StepMetrics:
+        """One optimizer step; `clock`: marked where the engine is `timed`, ignored otherwise."""
         raise NotImplementedError
 
     def evaluate(self, frames: torch.Tensor, teacher_latents: torch.Tensor | None) -> dict[str, float]:
@@ -181,13 +155,14 @@ class FlatAllReduceEngine(Engine):
     """
 
     kind = "allreduce"
+    timed = True  # its one collective is the gradient all-reduce, between the compute and the optimizer
 
     def __init__(self, module: DistillModule, device: torch.device, precision: str, grad_clip: float,
                  lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
-                 compile_mode: str = "default", time_compute: bool = True) -> None:
+                 compile_mode: str = "default") -> None:
         super().__init__(module, device, precision, grad_clip)
-        self.time_compute = time_compute  # each step's compute clock, for the slow-rank check
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.extra_compute = extra_compute_for_tests(dist.get_rank() if dist.is_initialized() else 0, device)
         params = [p for p in module.parameters() if p.requires_grad]
         # One element more than the gradients: each rank's non-finite-loss flag, summed by the same
         # all-reduce, so every rank skips a bad step together without a collective of its own.
@@ -216,11 +191,13 @@ class FlatAllReduceEngine(Engine):
         self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
                                            fused=self.fused)
 
-    def train_step(self, microbatches: Iterable[Microbatch], lr: float) -> StepMetrics:
+    def train_step(self, microbatches: Iterable[Microbatch], lr: float,
+                   clock: StepClock | None = None) -> StepMetrics:
         self.module.train()
+        if clock is not None:
+            clock.compute_begins()
         self.flat_grad.zero_()  # keeps the windows (never set_to_none)
         sums = _MetricSums()
-        clock = ComputeClock(self.device) if self.time_compute else None
         for frames, latents, weight in microbatches:
             if self.cuda_graphs:  # each micro-step is a new replay of the graphs
                 torch.compiler.cudagraph_mark_step_begin()
@@ -228,12 +205,13 @@ class FlatAllReduceEngine(Engine):
                 loss, metrics = self.forward(frames, latents)
             sums.add(metrics, frames.shape[0], weight)  # copied out before anything replays the graphs again
             (loss * weight).backward()
+        if self.extra_compute is not None:
+            self.extra_compute()
         self.flat_grad[-1] = sums.nonfinite()
-        if clock is not None:
-            clock.stop()
         if self.world > 1:
             # Σ over ranks of Σ weight·∇loss = the mean over the effective batch
-            dist.all_reduce(self.flat_grad)
+            with clock.collective() if clock is not None else contextlib.nullcontext():
+                dist.all_reduce(self.flat_grad)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
         skipped = (self.flat_grad[-1] > 0) | ~torch.isfinite(grad_norm)
         for group in self.optimizer.param_groups:
@@ -243,7 +221,9 @@ class FlatAllReduceEngine(Engine):
             self.optimizer.step()
         elif not skipped:
             self.optimizer.step()
-        return sums.result(grad_norm, skipped, clock)
+        if clock is not None:
+            clock.stop()
+        return sums.result(grad_norm, skipped)
 
     @torch.no_grad()
     def evaluate(self, frames: torch.Tensor, teacher_latents: torch.Tensor | None) -> dict[str, float]:
@@ -319,8 +299,9 @@ class DeepSpeedEngine(Engine):
         if compiled and hasattr(self.ds, "compile"):
             self.ds.compile()  # default mode: ZeRO's hooks run collectives that CUDA graphs cannot capture
 
-    def train_step(self, microbatches: Iterable[Microbatch], lr: float) -> StepMetrics:
-        self.ds.train()
+    def train_step(self, microbatches: Iterable[Microbatch], lr: float,
+                   clock: StepClock | None = None) -> StepMetrics:
+        self.ds.train()  # not timed: ZeRO's collectives run inside its backward and step
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         sums = _MetricSums()
@@ -469,17 +450,14 @@ def _import_deepspeed() -> Any:
 
 def make_engine(kind: str, module: DistillModule, device: torch.device, *, precision: str, grad_clip: float,
                 lr: float, betas: tuple[float, float], weight_decay: float, compile: bool,
-                per_gpu_batch: int, grad_accum: int, compile_mode: str = "default",
-                time_compute: bool = True) -> Engine:
+                per_gpu_batch: int, grad_accum: int, compile_mode: str = "default") -> Engine:
     """The engine `kind` (allreduce, zero1, zero2, zero3) around `module`.
 
     per_gpu_batch / grad_accum: the largest micro-batch and the micro-batches per step (every rank runs
-    that many; DeepSpeed needs both). time_compute: time each rank's compute per step (the slow-rank
-    check; the all-reduce engine only, where no collective runs inside the step)."""
+    that many; DeepSpeed needs both)."""
     common = dict(lr=lr, betas=betas, weight_decay=weight_decay, compile=compile)
     if kind == "allreduce":
-        return FlatAllReduceEngine(module, device, precision, grad_clip, compile_mode=compile_mode,
-                                   time_compute=time_compute, **common)
+        return FlatAllReduceEngine(module, device, precision, grad_clip, compile_mode=compile_mode, **common)
     if kind in ("zero1", "zero2", "zero3"):
         if missing := missing_engine_package(kind):
             raise ConfigError(missing)

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from taehv_slurm.trainer.engine import ComputeClock, StepMetrics
+from taehv_slurm.trainer.engine import StepMetrics
+from taehv_slurm.trainer.stragglers import FIGURES, StepClock
 from taehv_slurm.trainer.trackers import Trackers
 
 log = logging.getLogger("taehv")
@@ -28,7 +29,8 @@ log = logging.getLogger("taehv")
 
 class LogWindow:
     """The steps since the last log line: metric sums kept on the device (no sync per step), the time this
-    rank spent waiting for data, and the steps whose update was skipped (their metrics are left out)."""
+    rank spent waiting for data, the steps whose update was skipped (their metrics are left out), and each
+    step's clock where steps are timed (read at the log line)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -42,11 +44,11 @@ class LogWindow:
         self.names: tuple[str, ...] = ()
         # per metric Σ over kept samples, then Σ grad norm, kept samples, kept steps, skipped steps
         self.sums: torch.Tensor | None = None
-        self.clocks: list[tuple[ComputeClock, float]] = []  # each step's compute clock and its data wait
+        self.clocks: list[StepClock] = []
 
-    def add(self, m: StepMetrics, data_wait_s: float = 0.0) -> None:
-        if m.compute is not None:
-            self.clocks.append((m.compute, data_wait_s))
+    def add(self, m: StepMetrics, clock: StepClock | None = None) -> None:
+        if clock is not None:
+            self.clocks.append(clock)
         keep = (~m.skipped).to(torch.float64)
         vec = torch.cat([torch.nan_to_num(m.sums) * keep, (torch.nan_to_num(m.grad_norm) * keep).reshape(1),
                          (keep * m.samples).reshape(1), keep.reshape(1), (1 - keep).reshape(1)])
@@ -54,18 +56,20 @@ class LogWindow:
         self.sums = vec if self.sums is None else self.sums + vec
         self.steps += 1
 
-    def compute_s(self) -> list[float] | None:
-        """Every rank's mean compute seconds per step in this window (collective), None where not timed.
-        On a CPU the step's data wait is taken out (the host waited for it inside the step)."""
+    def timings(self) -> list[list[float]] | None:
+        """Every rank's means per step in this window, FIGURES in order (stragglers.py), by rank; None where
+        steps are not timed. Collective: every rank calls it at the same log lines (they time alike)."""
         if not self.clocks:
             return None
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        mine = sum(c.elapsed_s() - (0.0 if c.cuda else wait) for c, wait in self.clocks) / len(self.clocks)
-        every = torch.zeros(world, dtype=torch.float64, device=self.device)
-        every[rank] = mine
+        steps = len(self.clocks)
+        sums = [sum(values) for values in zip(*(c.figures() for c in self.clocks))]  # waits for the events
+        mine = [(time.perf_counter() - self.began) / steps, *(v / steps for v in sums[1:])]
+        every = torch.zeros(world, len(FIGURES), dtype=torch.float64, device=self.device)
+        every[rank] = torch.tensor(mine, dtype=torch.float64)
         if world > 1:
-            dist.all_reduce(every)
+            dist.all_reduce(every)  # one small reduction per log line: each rank fills its own row
         return every.tolist()
 
     def close(self, effective_batch: int) -> dict[str, float | None]:
@@ -168,8 +172,8 @@ class MetricsWriter:
     def tagged(cls, values: Mapping[str, Any], prefix: str = "train") -> dict[str, float]:
         """A metrics line's numbers by TensorBoard/tracker tag ("train/loss", "val/psnr", "lr", ...)."""
         return {f"val/{key}" if prefix == "val" else cls.TB_TAGS.get(key, f"train/{key}"): value
-                for key, value in values.items()
-                if isinstance(value, int | float) and not isinstance(value, bool)}  # not None, not lists
+                for key, value in values.items()  # not None, not lists, not a rank number
+                if isinstance(value, int | float) and not isinstance(value, bool) and key != "late_rank"}
 
     def _replay_to_trackers(self) -> None:
         """Hand the trackers the lines this run kept before this attempt (Trackers.replay: W&B's service

@@ -1,46 +1,249 @@
-"""Slow ranks: each rank's compute time per step (its own forward and backward, without the waits on the
-others and on data), compared across ranks once per log window.
+"""Slow ranks: the rank the others wait for, named with its cause, once per log window.
 
-A data-parallel step runs at the pace of its slowest rank, so one slow GPU or node (thermal throttling,
-a bad link, a noisy neighbour) costs every rank. The engine times each rank's compute (on a GPU with
-CUDA events, read at the log line, so no step waits for them); the log window gathers every rank's mean
-(one small all-reduce per log line) and a rank more than `margin` above the median in `windows` log
-windows in a row is named: host, rank, how much slower — in metrics.jsonl, the log and events.jsonl.
-Report only: it does not stop or restart anything.
+A data-parallel step runs at the pace of its slowest rank: every rank waits in the step's collectives (the
+step-boundary agreement and the gradient all-reduce) until the last one arrives, so one slow GPU, host,
+loader or link costs every rank. Each step `StepClock` splits this rank's time into
+
+- its wait in the step's collectives (on a GPU: device time between CUDA events around them),
+- its compute (on a GPU: device time of the rest of the step; on a CPU: the main thread's CPU time),
+- its data wait (host seconds blocked on the loader), and
+- its stall: host seconds of its own work with the main thread off the CPU (stopped, CPU-starved,
+  blocked), which is what a throttled host shows.
+
+Nothing in a step waits for a timing: CUDA events are read at the log line. The log window gathers every
+rank's means (one small all-reduce); `SlowRanks.observe` finds the rank that arrives last (it waits
+least) and the seconds per step the others waited for it, and names its cause by the figure that sets it
+apart from the others: `data`, `host`, `GPU` (`compute` on a CPU, where the device is the CPU) — or
+`link` when every rank arrives together but the collectives themselves take long. Report only: it does
+not stop or restart anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 log = logging.getLogger("taehv")
+FIGURES = ("step_s", "wait_s", "compute_s", "data_s", "stall_s")  # per rank and step, in this order
+# slow_rank_margin by device where the cluster config leaves it unset: a GPU's step times are steady to a
+# few ms; CPU ranks share the host's cores with each other and the loader, and a window's lateness varied by
+# up to 60 % on the 2-core CI testbed with nothing slowed.
+DEFAULT_MARGIN = {"cuda": 0.1, "cpu": 0.5}
+# Test-only: "RANK:SECONDS" gives rank RANK that much more compute per step (tests/test_stragglers.py and
+# the GPU check of a slow GPU being named; never set it in a real run).
+EXTRA_COMPUTE_ENV = "TAEHV_TEST_EXTRA_COMPUTE"
+
+
+class StepClock:
+    """One optimizer step of this rank: its waits in collectives, its compute, its data wait and its stall.
+
+    The trainer starts it before the step boundary and marks each section; `figures()` (at the log line)
+    gives the step's seconds in FIGURES order, `step_s` left 0 (the window knows the step's length). On a
+    GPU the waits and the compute come from CUDA events recorded in the stream (the host never waits for
+    them here); the data wait and the stall are host time either way."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        # own work: the step less its sections (data, collectives), on the wall clock and the thread's CPU
+        self.wall, self.cpu = -time.perf_counter(), -time.thread_time()
+        self.data_s = 0.0
+        self.wait_s = 0.0  # host seconds in the collectives (the figure on a CPU)
+        # on a GPU: each collective's events, and whether it ran inside the compute's span
+        self.waits: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        self.began: torch.cuda.Event | None = None
+        self.ended: torch.cuda.Event | None = None
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """Around a collective every rank runs in the step: its time is waiting, not own work."""
+        start = self._event() if self.cuda else None
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - wall
+            self.wait_s += seconds
+            self.wall -= seconds
+            self.cpu -= time.thread_time() - cpu
+            if start is not None:
+                self.waits.append((start, self._event(), self.began is not None))
+
+    def data(self, seconds: float, cpu_s: float) -> None:
+        """A wait for the loader of `seconds` (host), `cpu_s` of them on this thread's CPU."""
+        self.data_s += seconds
+        self.wall -= seconds
+        self.cpu -= cpu_s
+
+    def compute_begins(self) -> None:
+        if self.cuda:
+            self.began = self._event()
+
+    def stop(self) -> None:
+        """The step's work is done (after the optimizer)."""
+        self.wall += time.perf_counter()
+        self.cpu += time.thread_time()
+        if self.cuda:
+            self.ended = self._event()
+
+    def figures(self) -> tuple[float, ...]:
+        """(0, wait, compute, data, stall) seconds of this step; on a GPU it waits for the step's events."""
+        stall = max(0.0, self.wall - self.cpu)
+        if not self.cuda or self.began is None or self.ended is None:
+            return 0.0, self.wait_s, max(0.0, self.cpu), self.data_s, stall
+        self.ended.synchronize()
+        waits = [(a.elapsed_time(b) / 1000, inside) for a, b, inside in self.waits]
+        compute = self.began.elapsed_time(self.ended) / 1000 - sum(w for w, inside in waits if inside)
+        return 0.0, sum(w for w, _ in waits), max(0.0, compute), self.data_s, stall
+
+
+def extra_compute_for_tests(rank: int, device: torch.device) -> Callable[[], None] | None:
+    """Test-only: where EXTRA_COMPUTE_ENV names this rank, a function that adds its seconds of compute to
+    a step without the host waiting: on a CPU matrix products until this thread used that much CPU time
+    (a stopped or starved process still owes it), on a GPU a device-side spin of that length. Else None."""
+    rank_s, _, seconds_s = os.environ.get(EXTRA_COMPUTE_ENV, "").partition(":")
+    if not seconds_s or int(rank_s) != rank:
+        return None
+    seconds = float(seconds_s)
+    log.warning("%s: rank %d adds %.3f s of compute to every step (test-only)", EXTRA_COMPUTE_ENV, rank,
+                seconds)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10**7)  # calibrates the spin: cycles per second of this GPU (once, at start)
+        end.record()
+        end.synchronize()
+        cycles = int(seconds * 10**7 / (start.elapsed_time(end) / 1000))
+        return lambda: torch.cuda._sleep(cycles)
+    a = torch.ones(64, 64)
+
+    def spin() -> None:
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            a @ a
+    return spin
+
+
+@dataclass(frozen=True)
+class Latest:
+    """The rank that arrived last in one window (rank None: no rank did; the collectives were slow)."""
+
+    rank: int | None
+    cause: str  # data, host, GPU (compute on a CPU) or link
+    lost_s: float  # seconds per step the job lost to it: the others' median wait less its own
+    late: bool  # past the margin in this window
+    detail: str
+
+
+def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin: float,
+                compute_name: str = "GPU") -> Latest | None:
+    """The rank the others waited for in one window, from every rank's FIGURES means per step.
+
+    The rank that waits least arrived last; the job lost the others' median wait less its own per step. It is
+    late when that exceeds `margin` × the others' time to arrive (their step less their wait). Its cause is
+    the figure by which it exceeds the others' median most where that explains at least half of the wait it
+    causes: data wait (`data`), stall (`host`) or compute (`compute_name`; on a CPU the stall that more
+    compute brings on a shared host counts with it); otherwise `host` (its time outside compute and data:
+    launches, Python, the step's other work). With no rank late, `link` (rank None) when the collectives
+    themselves, the last rank's wait, take more than `margin` × the ranks' time to arrive. None for fewer
+    than 2 ranks."""
+    if len(figures) < 2:
+        return None
+    step = statistics.median(f[0] for f in figures)
+    wait, compute, data, stall = ([f[i] for f in figures] for i in range(1, 5))
+    rank = min(range(len(figures)), key=lambda r: (wait[r], r))
+    others = [r for r in range(len(figures)) if r != rank]
+
+    def excess(values: list[float]) -> float:
+        return values[rank] - statistics.median(values[r] for r in others)
+
+    lost = max(0.0, -excess(wait))
+    arrive = statistics.median(step - wait[r] for r in others)
+    threshold = margin * arrive if arrive > 0 else float("inf")
+    if lost <= threshold < wait[rank]:
+        return Latest(None, "link", wait[rank], True,
+                      f"every rank arrives together, but the step's collectives take {wait[rank]:.3f} s per "
+                      f"step ({_share(wait[rank], step)}): a slow link, switch or network between the ranks "
+                      "(`taehv preflight --job` measures the bus bandwidth)")
+    # On a CPU the compute is the host's own CPU time: where the host is shared, each CPU-second of it also
+    # costs the wall time it waits for a core (the others' wall per CPU-second, k), so a rank with more
+    # compute stalls more too. Its stall counts only beyond k's share; on a GPU the two are independent.
+    k = 1.0 if compute_name == "GPU" else statistics.median(
+        (compute[r] + stall[r]) / compute[r] if compute[r] > 0 else 1.0 for r in others)
+    extra = {"data": excess(data), "stall": excess(stall), "compute": excess(compute)}
+    over = {**extra, "stall": extra["stall"] - (k - 1) * extra["compute"], "compute": k * extra["compute"]}
+    key = max(over, key=lambda name: over[name])
+    key = key if over[key] >= lost / 2 and over[key] > 0 else "rest"
+    cause = {"data": "data", "compute": compute_name}.get(key, "host")
+    host = hosts[rank] if rank < len(hosts) else "?"
+    return Latest(rank, cause, lost, lost > threshold,
+                  f"rank {rank} on {host}: the others wait {lost:.3f} s per step for it "
+                  f"({_share(lost, step)}), cause {cause}: "
+                  f"{_why(key, compute_name, compute[rank], data[rank], stall[rank], extra)}")
+
+
+def _why(key: str, compute_name: str, compute: float, data: float, stall: float,
+         extra: dict[str, float]) -> str:
+    """What sets a late rank apart, in words: its figure and its excess over the others' median."""
+    what = "device compute" if compute_name == "GPU" else "compute"
+    return {"data": f"it waits {data:.3f} s per step for its data loader, {extra['data']:.3f} s more than "
+                    "the others",
+            "stall": f"its process was off the CPU {stall:.3f} s per step of its own work (stopped, "
+                     f"CPU-starved or blocked), {extra['stall']:.3f} s more than the others",
+            "compute": f"its {what} takes {compute:.3f} s per step, {extra['compute']:.3f} s more than the "
+                       "others'",
+            "rest": f"neither its compute ({compute:.3f} s per step), its data wait ({data:.3f} s) nor its "
+                    "stall sets it apart: its host is slow outside them (launches, Python, the step's other "
+                    "work)"}[key]
+
+
+def _share(seconds: float, step: float) -> str:
+    return f"{100 * seconds / step:.0f} % of a step" if step > 0 else "of a step"
 
 
 @dataclass
 class SlowRanks:
+    """Which rank (or the link) is named slow: late in `windows` log windows in a row."""
+
     hosts: list[str]  # by rank
     margin: float = 0.3
     windows: int = 3
-    streak: dict[int, int] = field(default_factory=dict)  # rank → slow windows in a row
-    named: set[int] = field(default_factory=set)  # ranks named as slow now
+    compute_name: str = "GPU"  # "compute" where the device is the CPU
+    streak: dict[int | None, int] = field(default_factory=dict)  # rank (None: link) → late windows in a row
+    named: dict[int | None, Latest] = field(default_factory=dict)  # named slow now, as last seen
 
-    def observe(self, compute_s: list[float]) -> tuple[list[str], list[int], list[int]]:
-        """Every rank's mean compute seconds per step in one window (the same list on every rank) →
-        (descriptions of the ranks named slow, ranks newly named, ranks no longer slow)."""
-        if len(compute_s) < 2:
-            return [], [], []
-        median = statistics.median(compute_s)
-        slow = {rank for rank, s in enumerate(compute_s) if median > 0 and s > median * (1 + self.margin)}
-        for rank in range(len(compute_s)):
-            self.streak[rank] = self.streak.get(rank, 0) + 1 if rank in slow else 0
-        now = {rank for rank, n in self.streak.items() if n >= self.windows}
-        new, recovered = sorted(now - self.named), sorted(self.named - now)
-        self.named = now
-        return [self.describe(rank, compute_s[rank], median) for rank in sorted(now)], new, recovered
-
-    def describe(self, rank: int, seconds: float, median: float) -> str:
-        """'rank 3 on tb2: 82 % slower than the median rank (0.412 vs 0.226 s of compute per step)'."""
-        return (f"rank {rank} on {self.hosts[rank]}: {100 * (seconds / median - 1):.0f} % slower than the "
-                f"median rank ({seconds:.3f} vs {median:.3f} s of compute per step)")
+    def observe(self, figures: Sequence[Sequence[float]]) -> tuple[dict[str, Any], list[Latest],
+                                                                   list[int | None]]:
+        """Every rank's FIGURES means of one window (the same list on every rank) → (the log line's fields,
+        newly named, no longer slow: a rank, or None for the link)."""
+        step, wait = (statistics.median(f[i] for f in figures) for i in (0, 1))
+        fields: dict[str, Any] = {"compute_s": statistics.median(f[2] for f in figures),
+                                  "arrive_s": step - wait, "wait_s": wait}
+        latest = latest_rank(figures, self.hosts, self.margin, self.compute_name)
+        if latest is None:
+            return fields, [], []
+        # only the rank that arrives last can be late: any other streak ends
+        self.streak = {latest.rank: self.streak.get(latest.rank, 0) + 1} if latest.late else {}
+        host = None if latest.rank is None else self.hosts[latest.rank]
+        fields.update(late_rank=latest.rank, late_host=host, late_cause=latest.cause, late_s=latest.lost_s,
+                      late=latest.late)
+        now = {key for key, n in self.streak.items() if n >= self.windows}
+        new = [latest for key in now if key not in self.named]
+        recovered = [key for key in self.named if key not in now]
+        self.named = {key: latest for key in now}
+        if self.named:
+            fields["slow_ranks"] = [n.detail for n in self.named.values()]
+        return fields, new, recovered

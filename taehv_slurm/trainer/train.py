@@ -13,11 +13,11 @@ the ranks spent waiting for data (the slowest rank's); above DATA_WAIT_WARN rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import socket
-import statistics
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -51,7 +51,7 @@ from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training, loa
 from taehv_slurm.trainer.rng import get_rng_state, seed_all, set_rng_state
 from taehv_slurm.trainer.schedule import lr_at
 from taehv_slurm.trainer.speed import mfu, model_flops_per_clip, peak_flops, use_compile_cache
-from taehv_slurm.trainer.stragglers import SlowRanks
+from taehv_slurm.trainer.stragglers import DEFAULT_MARGIN, SlowRanks, StepClock
 from taehv_slurm.trainer.teacher import load_teacher, to_unit
 from taehv_slurm.trainer.trackers import Trackers
 
@@ -134,8 +134,9 @@ class Trainer:
             lr=plan.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay,
             compile=cfg.engine.compile and self.device.type == "cuda", compile_mode=cfg.engine.compile_mode,
             per_gpu_batch=plan.per_gpu_batch, grad_accum=plan.grad_accum,
-            time_compute=self.runtime.slow_rank_windows > 0,
         )
+        # each step timed for the slow-rank naming; slow_rank_windows 0: no clock at all (the A/B's "off")
+        self.timed = self.engine.timed and self.runtime.slow_rank_windows > 0
 
     def resume(self) -> int:
         """Rank 0 chooses the checkpoint to resume — the newest that loads; damaged ones are moved aside,
@@ -179,7 +180,11 @@ class Trainer:
                                      trackers=Trackers(cfg.tracking, self.run_dir, self.run_dir.name,
                                                        cfg.to_dict()) if tracked else None)
         self.guard = DivergenceGuard(cfg.divergence, self.device, self.rollbacks)
-        self.slow = SlowRanks(all_hosts(), self.runtime.slow_rank_margin, self.runtime.slow_rank_windows)
+        margin = self.runtime.slow_rank_margin
+        if margin is None:
+            margin = DEFAULT_MARGIN.get(self.device.type, DEFAULT_MARGIN["cpu"])
+        self.slow = SlowRanks(all_hosts(), margin, self.runtime.slow_rank_windows,
+                              "GPU" if self.device.type == "cuda" else "compute")
         sizes = plan.microbatch_sizes(env.rank)
         self.stream = self.open_stream(step, sizes)
         window = LogWindow(self.device)
@@ -188,11 +193,12 @@ class Trainer:
                         "submit with a higher --set steps=N to train on", step, cfg.steps)
         last: dict[str, Any] = {}
         while step < cfg.steps:
-            ctx.step_boundary(step, functools.partial(self.save_at_signal, step), self.device)
+            clock = StepClock(self.device) if self.timed else None
+            with clock.collective() if clock is not None else contextlib.nullcontext():  # the stop agreement
+                ctx.step_boundary(step, functools.partial(self.save_at_signal, step), self.device)
             lr = lr_at(step, plan.lr, plan.warmup_steps, cfg.steps, cfg.optim.min_lr_ratio)
-            waited = window.data_wait_s
-            result = self.engine.train_step(self.step_microbatches(sizes, window), lr)
-            window.add(result, window.data_wait_s - waited)
+            result = self.engine.train_step(self.step_microbatches(sizes, window, clock), lr, clock)
+            window.add(result, clock)
             decision = self.guard.observe(step, result.skipped)
             step += 1
             last = self.after_step(step, window, lr) or last
@@ -217,7 +223,7 @@ class Trainer:
             self.metrics.write_samples(step, self.gather_samples())
         last = None
         if step % plan.log_every == 0 or step == cfg.steps or step == 1:
-            last = {**self.slow_ranks(window.compute_s()), **window.close(plan.effective_batch), "lr": lr,
+            last = {**self.slow_ranks(window.timings()), **window.close(plan.effective_batch), "lr": lr,
                     "gpu_memory_gb": gpu_memory_gb(self.device)}
             last["mfu"] = mfu(last["samples_per_second"] / self.env.world_size, self.flops_per_clip,
                               self.peak_flops)
@@ -234,25 +240,26 @@ class Trainer:
             self.save(step, blocking=not cfg.intervals.async_checkpoint)
         return last
 
-    def slow_ranks(self, compute_s: list[float] | None) -> dict[str, Any]:
-        """The log line's compute fields: this window's median compute per step and the ranks named slow."""
-        if compute_s is None:
+    def slow_ranks(self, figures: list[list[float]] | None) -> dict[str, Any]:
+        """The log line's timing fields (stragglers.py) and, on rank 0, the log lines and events of the ranks
+        newly named slow or no longer slow."""
+        if figures is None:
             return {}
-        named, new, recovered = self.slow.observe(compute_s)
+        fields, new, recovered = self.slow.observe(figures)
         if self.main:
-            for rank in new:
-                line = next(d for d in named if d.startswith(f"rank {rank} "))
-                log.warning("slow rank: %s", line)
-                self.ctx.events.write("slow_rank", segment=self.ctx.segment, rank=rank,
-                                      host=self.slow.hosts[rank], detail=line, step=self.ctx.step,
-                                      job_id=self.env.job_id)
+            hosts = self.slow.hosts
+            for latest in new:
+                log.warning("slow rank: %s", latest.detail)
+                self.ctx.events.write("slow_rank", segment=self.ctx.segment, rank=latest.rank,
+                                      host=None if latest.rank is None else hosts[latest.rank],
+                                      cause=latest.cause, lost_s=round(latest.lost_s, 4),
+                                      detail=latest.detail, step=self.ctx.step, job_id=self.env.job_id)
             for rank in recovered:
-                log.info("rank %d on %s is no longer slow", rank, self.slow.hosts[rank])
+                who = "the link" if rank is None else f"rank {rank} on {hosts[rank]}"
+                log.info("%s is no longer slow", who)
                 self.ctx.events.write("slow_rank_recovered", segment=self.ctx.segment, rank=rank,
-                                      host=self.slow.hosts[rank], step=self.ctx.step, job_id=self.env.job_id)
-        fields: dict[str, Any] = {"compute_s": statistics.median(compute_s)}
-        if named:
-            fields["slow_ranks"] = named
+                                      host=None if rank is None else hosts[rank], step=self.ctx.step,
+                                      job_id=self.env.job_id)
         return fields
 
     def open_stream(self, step: int, sizes: list[int]) -> Iterator[dict[str, Any]]:
@@ -313,14 +320,18 @@ class Trainer:
         self.save(back, blocking=True)  # the checkpoint records the batches to pass: a requeue keeps them
         return back
 
-    def step_microbatches(self, sizes: list[int], window: LogWindow) -> Iterator[Microbatch]:
+    def step_microbatches(self, sizes: list[int], window: LogWindow,
+                          clock: StepClock | None = None) -> Iterator[Microbatch]:
         """This rank's micro-batches of one step, pulled from the loader one at a time (the GPU works on
         one while the next is loaded), each weighted by its share of the effective batch."""
         self.step_samples.clear()
         for size in sizes:
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.thread_time()
             batch = next(self.stream)
-            window.data_wait_s += time.perf_counter() - began
+            waited = time.perf_counter() - began
+            window.data_wait_s += waited
+            if clock is not None:
+                clock.data(waited, time.thread_time() - cpu)
             if size:  # a padding micro-batch repeats a sample with weight 0: not part of the step
                 self.step_samples += batch["index"].tolist()
             yield Microbatch(*self.to_device(batch), size / self.plan.effective_batch)

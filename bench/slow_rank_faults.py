@@ -1,0 +1,197 @@
+"""Each slow-rank fault inflicted from outside on the last rank of a real run, and what the run named
+(docs/failures.md, taehv_slurm/trainer/stragglers.py), through the user's command.
+
+    python bench/slow_rank_faults.py --data /tmp/taehv-e2e/prepared --gpus 4    # GPUs: the shipped config
+    python bench/slow_rank_faults.py --smoke --out /tmp/faults.json              # CPU, tiny, 2 ranks
+
+Per fault one `python -m jobs.submit --local` of configs/train/taehv.yaml on --gpus GPUs of this machine
+(data.path set; --smoke: the tiny config, 2 CPU ranks, log_every 2). From --fault-step on, the last rank is
+slowed for --fault-s seconds:
+
+- host: its process stopped 0.25 s of every 0.5 s (SIGSTOP/SIGCONT), a starved or throttled host;
+- data: its loader workers (its child processes) stopped 0.45 s of every 0.5 s;
+- GPU: 0.25 s more device work per step (the test-only TAEHV_TEST_EXTRA_COMPUTE; from the start);
+- none: nothing: no rank may be named.
+
+Per fault: the rank and cause named, after how many log windows (from the fault's start; for GPU from the
+first window), the seconds per step lost, and clips/s before and during the fault. JSON under
+bench/results/ (or --out). --data is a prepared folder (bench/e2e_throughput.py leaves one in its --work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench._record import run_info, write_results  # noqa: E402
+
+FAULTS = ("host", "data", "GPU", "none")
+TINY = {"teacher.kind": "none", "data.height": 32, "data.width": 32, "intervals.log_every": 2,
+        "data.num_workers": 1, "data.prefetch_factor": 1}
+
+
+@contextlib.contextmanager
+def duty_cycle(pids: list[int], stopped_s: float, running_s: float) -> Iterator[None]:
+    """`pids` stopped (SIGSTOP) stopped_s of every stopped_s + running_s until the block ends."""
+    done = threading.Event()
+
+    def cycle() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            while not done.is_set():
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                time.sleep(stopped_s)
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+                time.sleep(running_s)
+
+    thread = threading.Thread(target=cycle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (a rank's loader workers), from /proc."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def rank_record(run_dir: Path, rank: int) -> dict[str, Any]:
+    """The rank's record (host, pid, step), {} before it has written one."""
+    try:
+        return json.loads((run_dir / "ranks" / f"{rank}.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def cluster_file(work: Path, args: argparse.Namespace, fault: str) -> Path:
+    """A local cluster config of --gpus GPUs (--smoke: 2 CPU ranks); the GPU fault's knob in its env."""
+    ranks = 2 if args.smoke else args.gpus
+    extra = f"{ranks - 1}:{0.2 if args.smoke else 0.25}"
+    path = work / f"faults_{fault}.yaml"
+    path.write_text(f"backend: local\nnodes: 1\ngpus_per_node: {0 if args.smoke else ranks}\n"
+                    f"tasks_per_node: {ranks}\ncpus_per_task: {args.cpus}\n"
+                    f"device: {'cpu' if args.smoke else 'cuda'}\ntime_min: 600\nsignal_delay_s: 60\n"
+                    f"job_dir: {work / 'runs'}\n"
+                    + ("torch_threads: 1\n" if args.smoke else "")
+                    + (f"env:\n  TAEHV_TEST_EXTRA_COMPUTE: '{extra}'\n" if fault == "GPU" else ""))
+    return path
+
+
+def rows_of(run_dir: Path, name: str) -> list[dict[str, Any]]:
+    path = run_dir / name
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+
+
+def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One run with `fault` on its last rank: what was named, when, and what it cost."""
+    name = f"faults-{fault.lower()}-{time.strftime('%H%M%S')}"
+    sets = {"steps": 100_000, **(TINY if args.smoke else {"data.path": args.data})}
+    log = (work / f"{name}.log").open("w")
+    argv = [sys.executable, "-m", "jobs.submit", "--local", "--cluster", str(cluster_file(work, args, fault)),
+            "--train", str(REPO / ("configs/train/tiny.yaml" if args.smoke else "configs/train/taehv.yaml")),
+            "--name", name, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    run_dir, victim = work / "runs" / name, (1 if args.smoke else args.gpus - 1)
+    try:
+        record = wait_for(lambda: ((r := rank_record(run_dir, victim)).get("step") or 0) >= args.fault_step
+                          and r, args.timeout, "the run to reach --fault-step")
+        began, before = time.time(), max([r["step"] for r in rows_of(run_dir, "metrics.jsonl")], default=0)
+        pids = children(record["pid"]) if fault == "data" else [record["pid"]]
+        cycle = {"host": (0.25, 0.25), "data": (0.45, 0.05)}.get(fault)
+        if args.smoke and cycle:
+            cycle = {"host": (0.4, 0.2), "data": (0.9, 0.1)}[fault]
+        with duty_cycle(pids, *cycle) if cycle else contextlib.nullcontext():
+            time.sleep(args.fault_s)
+        ended = time.time()
+        wait_for(lambda: [r for r in rows_of(run_dir, "metrics.jsonl") if r.get("time", 0) > ended + 1],
+                 args.timeout, "a log window after the fault")
+    finally:
+        job = re.search(r"submitted job (\S+):", (work / f"{name}.log").read_text())
+        if job:
+            subprocess.run([sys.executable, "-m", "jobs.cancel", job.group(1), "--job-dir",
+                            str(work / "runs")], cwd=REPO, env=env, capture_output=True)
+        proc.wait(timeout=300)
+    return verdict(fault, run_dir, began, ended, 0 if fault == "GPU" else before)
+
+
+def verdict(fault: str, run_dir: Path, began: float, ended: float, before: int) -> dict[str, Any]:
+    """What the run recorded about the fault: the first slow_rank event, its timing, clips/s."""
+    windows = [r for r in rows_of(run_dir, "metrics.jsonl") if "samples_per_second" in r]
+    named = [e for e in rows_of(run_dir, "events.jsonl") if e["event"] == "slow_rank"]
+    first = named[0] if named else {}
+    at = min((r["step"] for r in windows if r.get("slow_ranks")), default=None)
+
+    def clips(rows: list[dict[str, Any]]) -> float | None:
+        return sum(r["samples_per_second"] for r in rows) / len(rows) if rows else None
+
+    return {"fault": fault, "named_rank": first.get("rank"), "named_cause": first.get("cause"),
+            "lost_s_per_step": first.get("lost_s"), "detail": first.get("detail"),
+            "windows_to_named": len([r for r in windows if before < r["step"] <= at]) if at else None,
+            "named_events": len(named),
+            "clips_per_s_before": clips([r for r in windows if r["time"] < began and r["step"] > 1]),
+            "clips_per_s_during": clips([r for r in windows if began < r["time"] <= ended])}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", help="a prepared folder (taehv prepare's --out)")
+    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--cpus", type=int, default=12, help="cpus_per_task")
+    p.add_argument("--faults", default=",".join(FAULTS))
+    p.add_argument("--fault-step", type=int, default=60, help="the victim's step at which the fault begins")
+    p.add_argument("--fault-s", type=float, default=90, help="how long the fault lasts")
+    p.add_argument("--work", default="/tmp/taehv-slow-rank-faults")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for a run to reach a step")
+    p.add_argument("--smoke", action="store_true", help="CPU, the tiny config, 2 ranks, short faults")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if args.smoke:
+        args.cpus, args.fault_step, args.fault_s, args.timeout = 1, 6, 15, 600
+    elif not args.data:
+        p.error("--data PREPARED is needed on GPUs (or --smoke)")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    info = run_info(not args.smoke, gpus=2 if args.smoke else args.gpus, fault_step=args.fault_step,
+                    fault_s=args.fault_s)
+    rows = []
+    for fault in args.faults.split(","):
+        rows.append(one_fault(fault, args, work))
+        print(json.dumps(rows[-1]), flush=True)
+    write_results(args.out, "slow_rank_faults_smoke" if args.smoke else "slow_rank_faults",
+                  {"info": info, "rows": rows}, gpus=1 if args.smoke else args.gpus)
+
+
+if __name__ == "__main__":
+    main()

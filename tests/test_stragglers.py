@@ -1,0 +1,201 @@
+"""The rank the others wait for is named, with its cause (real Slurm testbed, CPU, gloo; each fault inflicted
+from outside the job, on rank 1 of a job of 2 ranks, as a slow node would):
+
+- `host`: the rank's process stopped 0.4 s of every 0.6 s (SIGSTOP/SIGCONT: a throttled or starved host) →
+  named with cause host within 3 log windows (4 counting the one in progress when the fault begins); the
+  run goes on (report only); `taehv status` notes the share of the step time it cost, and
+  `JobHandle.metrics()` has each window's figures;
+- `data`: the rank's loader worker stopped 0.9 s of every second → cause data;
+- `compute`: the rank given 0.2 s more compute per step (the test-only TAEHV_TEST_EXTRA_COMPUTE) → cause
+  compute (the CPU is the device here);
+- `latest_rank`'s verdicts on given figures, the slow link among them (the testbed's nodes share this
+  machine's loopback with every other job on it: no link can be slowed from outside for one job alone).
+
+The three jobs run side by side from one module fixture. A clean run names nobody:
+tests/test_hangs.py::test_a_clean_run_names_no_slow_rank_and_finds_no_hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from taehv_slurm.handle import JobHandle
+from taehv_slurm.reports import slow_rank_note
+from taehv_slurm.trainer.stragglers import EXTRA_COMPUTE_ENV, SlowRanks, latest_rank
+from taehv_slurm.training import submit_training
+from tests.helpers import cli, events, make_cluster, metrics, quick_train, rank_record, slowed_down, wait_for
+
+STEADY = {"steps": 100_000, "intervals.log_every": 2, "intervals.ckpt_every": 100_000,
+          "intervals.val_every": 100_000}
+WINDOWS = 3  # slow_rank_windows as shipped
+
+
+@dataclass
+class Jobs:
+    host: JobHandle
+    data: JobHandle
+    compute: JobHandle
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
+    job_dir = tmp_path_factory.mktemp("stragglers")
+    plain = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=20)
+    loaded = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=20, env={EXTRA_COMPUTE_ENV: "1:0.2"})
+    # one loader worker per rank, one batch ahead: a stopped worker is soon waited for
+    found = Jobs(host=submit_training(plain, quick_train(**STEADY), "host")[0],
+                 data=submit_training(plain, quick_train(**STEADY, **{"data.num_workers": 1,
+                                                                      "data.prefetch_factor": 1}), "data")[0],
+                 compute=submit_training(loaded, quick_train(**STEADY), "compute")[0])
+    try:
+        yield found
+    finally:
+        for handle in (found.host, found.data, found.compute):
+            handle.cancel()
+
+
+def timed_rows(handle: JobHandle) -> list[dict[str, Any]]:
+    return [r for r in metrics(handle.run_dir) if "late_s" in r]
+
+
+def named_after(handle: JobHandle, inflict: Callable[[int], contextlib.AbstractContextManager],
+                what: str) -> tuple[dict[str, Any], int]:
+    """Inflict the fault on rank 1 once it trains, until it is named: (the slow_rank event, log windows from
+    the fault's start to its naming, the one in progress at the start counted)."""
+    wait_for(lambda: (rank_record(handle, 1).get("step") or 0) >= 4, 300, f"{handle.name} to train")
+    before = handle.last_step() or 0
+    with inflict(rank_record(handle, 1)["pid"]):
+        (slow,) = wait_for(lambda: events(handle, "slow_rank"), 300, f"the {what} to be named")
+    named_at = min(r["step"] for r in timed_rows(handle) if r.get("slow_ranks"))
+    return slow, len([r for r in timed_rows(handle) if before < r["step"] <= named_at])
+
+
+def children(pid: int) -> list[int]:
+    """The processes the rank started (its loader workers), from /proc."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+@contextlib.contextmanager
+def slow_loader(pid: int) -> Iterator[None]:
+    workers = wait_for(lambda: children(pid), 60, "the loader worker")
+    with contextlib.ExitStack() as stack:
+        for worker in workers:
+            stack.enter_context(slowed_down(worker, 0.9, 0.1))
+        yield
+
+
+def test_a_rank_with_more_compute_is_named_with_cause_compute(jobs: Jobs) -> None:
+    handle = jobs.compute
+    (slow,) = wait_for(lambda: events(handle, "slow_rank"), 300, "the loaded rank to be named")
+    host = rank_record(handle, 1)["host"]
+    assert (slow["rank"], slow["host"], slow["cause"]) == (1, host, "compute"), slow
+    assert slow["detail"].startswith(f"rank 1 on {host}: the others wait "), slow
+    assert "cause compute: its compute takes" in slow["detail"]
+    handle.cancel()
+
+
+def test_a_throttled_host_is_named_with_cause_host_within_three_windows(jobs: Jobs) -> None:
+    handle = jobs.host
+    slow, windows = named_after(handle, lambda pid: slowed_down(pid, 0.4, 0.2), "throttled host")
+    host = rank_record(handle, 1)["host"]
+    assert (slow["rank"], slow["host"], slow["cause"]) == (1, host, "host"), slow
+    assert windows <= WINDOWS + 1, windows
+    assert slow["detail"].startswith(f"rank 1 on {host}: the others wait ")
+    assert slow["lost_s"] > 0 and "cause host: its process was off the CPU" in slow["detail"]
+    frame = handle.metrics()  # every window's figures, as pandas columns
+    named = frame[frame["slow_ranks"].notna()].iloc[0]
+    assert (named["late_rank"], named["late_host"], named["late_cause"]) == (1, host, "host")
+    assert named["late"] and named["late_s"] > 0 and named["arrive_s"] > 0 and named["wait_s"] > 0
+    status = json.loads(cli("jobs.status", handle.job_id, "--job-dir", str(handle.job_dir), "--format",
+                            "json").stdout)
+    assert f"rank 1 on {host} (cause host) cost " in status[0]["note"], status
+    named_step = max(r["step"] for r in timed_rows(handle))
+    wait_for(lambda: (handle.last_step() or 0) >= named_step + 10, 300, "training to go on")  # report only
+    assert handle.state == "RUNNING"
+    assert not events(handle, "hang") and not events(handle, "requeue")
+    handle.cancel()
+
+
+def test_a_slow_loader_is_named_with_cause_data(jobs: Jobs) -> None:
+    handle = jobs.data
+    slow, windows = named_after(handle, slow_loader, "slow loader")
+    assert (slow["rank"], slow["cause"]) == (1, "data"), slow
+    assert "cause data: it waits " in slow["detail"] and windows <= WINDOWS + 1, windows
+    handle.cancel()
+
+
+# ----------------------------------------------------------------------- the verdicts on given figures
+# Per rank: step, wait, compute, data, stall (seconds per step), as LogWindow.timings() gathers them.
+CLEAN = [0.5, 0.02, 0.45, 0.01, 0.02]
+
+
+def late(rank: int, figure: str | None = None) -> list[list[float]]:
+    """Four ranks of a 0.5 s step; `rank` 0.2 s late (the others wait for it) with 0.2 s more `figure`."""
+    rows = [[0.5, 0.22, 0.25, 0.01, 0.02] for _ in range(4)]
+    rows[rank][1] = 0.02
+    if figure is not None:
+        rows[rank][("compute", "data", "stall").index(figure) + 2] += 0.2
+    return rows
+
+
+@pytest.mark.parametrize("figures, device, cause", [
+    (late(2, "stall"), "GPU", "host"),  # stopped or starved: off the CPU during its own work
+    (late(2, "data"), "GPU", "data"),
+    (late(2, "compute"), "GPU", "GPU"),
+    (late(2, "compute"), "compute", "compute"),  # on a CPU
+    # on a shared CPU more compute also waits longer for a core: still its compute's doing
+    ([[0.5, 0.32, 0.1, 0.01, 0.07]] * 2 + [[0.5, 0.02, 0.2, 0.01, 0.27], [0.5, 0.32, 0.1, 0.01, 0.07]],
+     "compute", "compute"),
+    (late(2), "GPU", "host"),  # nothing sets it apart but its lateness: launches, Python, the step's rest
+])
+def test_the_cause_is_what_sets_the_latest_rank_apart(figures: list[list[float]], device: str,
+                                                         cause: str) -> None:
+    verdict = latest_rank(figures, ["n0", "n1", "n2", "n3"], margin=0.3, compute_name=device)
+    assert verdict is not None and (verdict.rank, verdict.cause, verdict.late) == (2, cause, True), verdict
+    assert verdict.lost_s == pytest.approx(figures[0][1] - figures[2][1])  # the others' wait less its own
+    assert verdict.detail.startswith(f"rank 2 on n2: the others wait {verdict.lost_s:.3f} s per step for it")
+
+
+def test_a_slow_collective_with_every_rank_on_time_is_the_link() -> None:
+    verdict = latest_rank([[0.5, 0.25, 0.2, 0.01, 0.01]] * 4, ["n0", "n1", "n2", "n3"], margin=0.3)
+    assert verdict is not None and (verdict.rank, verdict.cause, verdict.late) == (None, "link", True)
+    assert verdict.detail.startswith("every rank arrives together, but the step's collectives take 0.250 s")
+    assert latest_rank([CLEAN] * 4, ["n0"] * 4, margin=0.3).late is False  # type: ignore[union-attr]
+
+
+def test_a_rank_is_named_after_its_windows_in_a_row_and_then_recovers() -> None:
+    slow = SlowRanks(["n0", "n1", "n2", "n3"], margin=0.3, windows=3)
+    seen = [slow.observe(f) for f in (late(1, "stall"), [CLEAN] * 4, late(1, "stall"), late(1, "stall"))]
+    assert not any(new for _, new, _ in seen)  # never 3 in a row yet
+    fields, new, _ = slow.observe(late(1, "stall"))
+    assert [n.rank for n in new] == [1] and fields["slow_ranks"][0].startswith("rank 1 on n1: ")
+    assert (fields["late_rank"], fields["late_cause"], fields["late"]) == (1, "host", True)
+    assert slow.observe(late(1, "stall"))[1] == []  # named once
+    fields, new, recovered = slow.observe([CLEAN] * 4)
+    assert (new, recovered, "slow_ranks" in fields, fields["late"]) == ([], [1], False, False)
+
+
+def test_status_notes_a_rank_named_slow_that_cost_the_run_its_share() -> None:
+    def row(step: int, rank: int, late_s: float, is_late: bool, named: bool = False) -> dict[str, Any]:
+        named_now = {"slow_ranks": [f"rank {rank} on n{rank}: …"]} if named else {}
+        return {"step": step, "arrive_s": 0.45, "wait_s": 0.05, "late_rank": rank, "late_host": f"n{rank}",
+                "late_cause": "host", "late_s": late_s, "late": is_late, **named_now}
+
+    # late windows by chance count for nobody; step 1 (the start) never counts
+    rows = [row(1, 1, 5.0, True), row(2, 1, 0.4, True), row(4, 1, 0.4, True), row(6, 0, 0.4, True)]
+    rows += [row(n, n % 4, 0.01, False) for n in range(8, 48, 2)]
+    assert slow_rank_note(rows) is None
+    # one streak named at its third window, and late on after it: all 5 count (1 s of 14 s of steps)
+    rows += [row(n, 1, 0.2, True, named=n >= 52) for n in range(48, 58, 2)]
+    assert slow_rank_note(rows) == ("rank 1 on n1 (cause host) cost 7 % of the step time: the others waited "
+                                    "for it in 5 log window(s)")
+    assert slow_rank_note(rows, share=0.1) is None
+    assert slow_rank_note([{"step": 2, "loss": 1.0}]) is None  # not timed (one rank, ZeRO, switched off)
