@@ -137,8 +137,9 @@ def _allocations(accounting: Sequence[Mapping[str, Any]]) -> dict[int, Mapping[s
 
 def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str, Any]],
                        accounting: Sequence[Mapping[str, Any]]) -> None:
-    """Number the attempts inside one allocation (`launch`) and give them its node-seconds (sacct's
-    Elapsed × NNodes, where there is accounting): each its span, the last what is left."""
+    """Number the attempts inside one allocation (`launch`) and give them its node-seconds: each from its
+    start to the next one's, the last what is left of the allocation (sacct's Elapsed × NNodes, where there
+    is accounting; else its own span)."""
     allocations = _allocations(accounting)
     groups: dict[tuple[Any, int], list[int]] = {}
     for i, start in enumerate(starts):
@@ -147,14 +148,13 @@ def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str,
         for launch, i in enumerate(members):
             rows[i]["launch"] = launch
         record = allocations.get(attempt)
-        if record is None:
-            continue
-        nodes = int(record["NNodes"] or 1)
-        total = float(record["ElapsedSeconds"]) * nodes
-        for i in members[:-1]:
+        nodes = int(record["NNodes"] or 1) if record else rows[members[0]]["nodes"]
+        for i in members[:-1]:  # held from its start to the next one's: the restart between them included
             rows[i]["allocated_node_s"] = round((rows[i + 1]["began"] - rows[i]["began"]) * nodes, 1)
-        rows[members[-1]]["allocated_node_s"] = round(
-            max(0.0, total - sum(rows[i]["allocated_node_s"] for i in members[:-1])), 1)
+        if record is not None:
+            total = float(record["ElapsedSeconds"]) * nodes
+            rows[members[-1]]["allocated_node_s"] = round(
+                max(0.0, total - sum(rows[i]["allocated_node_s"] for i in members[:-1])), 1)
         for i in members:
             productive = rows[i]["productive_node_s"]
             rows[i]["ettr"] = (round(productive / rows[i]["allocated_node_s"], 4)

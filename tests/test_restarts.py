@@ -105,6 +105,16 @@ def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(jobs: Jobs
     assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
     assert logged_once_each(handle, 160)
     assert host not in {rank_record(handle, r)["host"] for r in range(4)}  # the last step's ranks
+    # goodput: one row per job step of the one allocation; the restart's seconds apart from the queue's
+    accounting = handle.accounting()
+    (allocation,) = accounting[~accounting["JobID"].str.contains(".", regex=False)].to_dict("records")
+    goodput = handle.goodput()
+    assert list(goodput["attempt"]) == [0, 0] and list(goodput["launch"]) == [0, 1]
+    assert 0 <= goodput["restart_s"].iloc[1] <= first["time"] - killed_at  # fault found → ranks started
+    assert goodput["queue_s"].iloc[0] >= 0 and goodput["restart_s"].isna().iloc[0]
+    held = allocation["ElapsedSeconds"] * int(allocation["NNodes"])  # the spare included: 3 nodes
+    assert int(allocation["NNodes"]) == 3
+    assert goodput.attrs["allocated_node_s"] == pytest.approx(held, rel=0.01)
 
 
 def test_a_stopped_rank_is_named_and_its_node_replaced_by_the_spare(jobs: Jobs) -> None:
