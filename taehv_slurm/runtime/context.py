@@ -6,6 +6,8 @@ at that step, then rank 0 asks the backend what happens to the job (taehv_slurm.
 records it in `events.jsonl` as it happened:
   - Slurm is requeueing it already (preemption, `scontrol requeue`: its Restarts went up) → `requeue`;
   - the job was cancelled (`scancel`, `taehv cancel`) → `cancelled`;
+  - a SIGTERM that is no job event where the batch script restarts the ranks (srun ending the step after a
+    peer died, a stray SIGTERM) → `step_ended`: the script decides what follows;
   - otherwise (the time-limit warning, SIGTERM at the time limit, a stray SIGTERM) rank 0 asks Slurm to
     requeue it: `requeue` when Slurm accepted, else `requeue_failed` with Slurm's answer, and rank 0
     exits non-zero with one line naming the cause, the fix and how to resume, so the job ends FAILED.

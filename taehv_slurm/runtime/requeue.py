@@ -6,14 +6,16 @@ replays signals that arrived while the task was starting (taehv_slurm.runtime.si
 folder's lock (one job per run), applies the guards, and runs the task with its `RunContext`
 (taehv_slurm.runtime.context: the save at a signal and what happens to the job after it).
 
-The guards (taehv_slurm.runtime.guards), read from the events at each start and before any requeue:
-the requeue limit, no progress, and a failure that repeats. A rank that crashes mid-training requeues
-the job where the backend can (once per restart, by an exclusive claim file); a task's `FatalTaskError`
-(a diverged run) never requeues. Each rank keeps its record in the run folder
-(taehv_slurm.runtime.ranks), and once every rank has ended, `after_ranks` — run where the ranks were
-started from (the sbatch script after srun, or the local controller) — names the ranks that were killed
-from outside and requeues the job without their nodes. The grace each signal gets comes from the
-cluster config (`grace_seconds`).
+The guards (taehv_slurm.runtime.guards), read from the events at each start and before any restart or
+requeue: the requeue limit, no progress, and a failure that repeats. A task's `FatalTaskError` (a diverged
+run) never restarts. Each rank keeps its record in the run folder (taehv_slurm.runtime.ranks), and once
+every rank has ended, `after_ranks` — run where the ranks were started from (the sbatch script after srun,
+or the local controller) — names the ranks that were killed from outside. Where the sbatch script restarts
+the ranks inside the allocation (`placement`, taehv_slurm.runtime.steps), a rank that crashes or finds a
+hang records it and ends the job step, and `after_ranks` decides what follows (taehv_slurm.runtime.restart);
+elsewhere a rank that crashes mid-training requeues the job where the backend can (once per restart, by an
+exclusive claim file), a hang's verdict requeues it without the culprit's node, and `after_ranks` requeues
+without the killed ranks' nodes. The grace each signal gets comes from the cluster config (`grace_seconds`).
 """
 
 from __future__ import annotations
