@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def submit(name: str, job_dir: Path, extra: dict[str, Any]) -> str:
                  "--name", name, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")])
     if done.returncode:
         sys.exit(f"error: submitting {name} failed: {done.stderr.strip() or done.stdout[-500:]}")
-    return next(w for w in done.stdout.split() if w.isdigit())
+    return re.search(r"submitted job (\S+?):", done.stdout)[1]
 
 
 def ranks(run_dir: Path) -> list[dict[str, Any]]:
@@ -126,7 +127,9 @@ def main() -> None:
     results = {}
     for name, job in jobs.items():
         out = taehv("status", job, "--job-dir", str(job_dir), "--goodput", "--format", "json")
-        rows = json.loads(out.stdout) if out.returncode == 0 else []
+        if out.returncode:
+            sys.exit(f"error: taehv status {job} failed: {out.stderr.strip()}")
+        rows = json.loads(out.stdout)
         results[name] = {"job_id": job, "attempts": rows, **totals(rows)}
         print(f"{name}: {json.dumps(totals(rows))}", flush=True)
     write_results(args.out, "fault_schedule", {"info": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"),
