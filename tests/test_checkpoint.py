@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -55,12 +58,40 @@ def test_async_save_returns_before_the_write_and_lands(tmp_path: Path) -> None:
 
 
 def test_load_refuses_what_it_cannot_read(tmp_path: Path) -> None:
+    """Bytes overwritten at the same size fail the checksum; where the checksum was rewritten too (or a
+    checkpoint of a release without checksums), torch's own load fails, and the message says the file is
+    damaged in the library's words with torch's reason, never torch's headline about weights_only."""
     ckpt = Checkpointer(tmp_path)
     ckpt.save(state_for(3, 0.01), 3)
-    (tmp_path / "step_00000003" / "state.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError) as err:
-        ckpt.load(3)
-    assert "delete that folder" in str(err.value) and "\n" not in str(err.value)
+    folder = tmp_path / "step_00000003"
+    written = (folder / "state.pt").read_bytes()
+    meta = json.loads((folder / "meta.json").read_text())
+    # Not a zip, so torch unpickles it: the first byte, 'n' (110), is no pickle opcode it accepts.
+    text = (b"not a checkpoint " * len(written))[:len(written)]
+    zip_end_zeroed = written[:-100] + bytes(100)  # a zip whose directory is gone: torch's reason, whatever
+    for damaged, reason in ((text, f"Unsupported operand {ord('n')}"), (zip_end_zeroed, None)):
+        assert len(damaged) == len(written)
+        (folder / "state.pt").write_bytes(damaged)
+        (folder / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError) as err:
+            ckpt.load(3)
+        assert str(err.value) == (f"cannot load checkpoint {folder}: state.pt does not match its checksum "
+                                  "(overwritten since it was saved); delete that folder to resume from an "
+                                  "older one (it was not loaded)")
+        for files in ({"state.pt": {"bytes": len(damaged), "sha256": hashlib.sha256(damaged).hexdigest()}},
+                      None):  # rewritten with the file; none at all (written before checksums)
+            (folder / "meta.json").write_text(json.dumps({**meta, "files": files}))
+            with pytest.raises(CheckpointError) as err:
+                ckpt.load(3)
+            found = re.fullmatch(rf"cannot load checkpoint {re.escape(str(folder))}: state\.pt is damaged or "
+                                 r"not a torch checkpoint: cut short, overwritten, or not written by this "
+                                 r"library \(([^\n]+)\); delete that folder to resume from an older one \(it "
+                                 r"was not loaded\)", str(err.value))
+            assert found, str(err.value)
+            if reason is not None:
+                assert found.group(1) == reason
+            else:
+                assert "weights" not in found.group(1).lower(), found.group(1)
 
 
 def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_resumes(tmp_path: Path) -> None:
