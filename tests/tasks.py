@@ -84,6 +84,27 @@ class CountingTask:
         return step
 
 
+class SlowToLoad(CountingTask):
+    """CountingTask whose pickle, in the first attempt, takes until `<gate>/released` exists to load, having
+    written `<gate>/loading`: a signal sent meanwhile reaches the job while its task is still starting."""
+
+    def __init__(self, gate: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = gate
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import time
+        from pathlib import Path
+
+        self.__dict__.update(state)
+        gate = Path(self.gate)
+        if not (gate / "released").exists():
+            (gate / "loading").touch()
+            deadline = time.monotonic() + 120
+            while not (gate / "released").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
 class NeverPolls:
     """Takes the run context but never reaches a step boundary: it cannot save at a signal."""
 
