@@ -190,3 +190,30 @@ def test_disk_full_keeps_the_previous_latest(small_disk: Path) -> None:
     step, state, _ = ckpt.load_latest()
     assert step == 1 and state["optimizer_step"] == 1
     assert not list((small_disk / "ck").glob("*.tmp-*"))  # the partial write was cleaned up
+
+
+def test_preflight_wants_room_for_the_checkpoints_kept_and_one_more(tmp_path: Path) -> None:
+    """Preflight's `checkpoint folder` row asks for keep_checkpoints + 1 checkpoints (a new one is complete
+    before the oldest goes), each the model's fp32 weights and two AdamW moments (12 bytes a parameter) plus
+    the ranks' RNG states: the tiny config's 2 + 1 of ≈4.5 MB do not fit 8 MiB, and fit 32 MiB."""
+    from taehv_slurm.preflight import Preflight
+    from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
+    from tests.helpers import tiny_train
+
+    train = tiny_train()
+    states = 12 * sum(p.numel() for p in TAEHV(TAEHVConfig.from_dict(train.model_fields())).parameters())
+    rows = {}
+    for mib in (8, 32):
+        with mounted_tmpfs(tmp_path / f"disk-{mib}", f"size={mib}m") as disk:
+            check = Preflight(str(REPO / "configs/cluster/local.yaml"), str(REPO / "configs/train/tiny.yaml"),
+                              {"job_dir": str(disk / "runs")}, {})
+            check.check_configs()
+            check.check_job_dir()
+            (rows[mib],) = [row for row in check.rows if row.check == "checkpoint folder"]
+            assert list(disk.iterdir()) == []  # probed, nothing left behind
+    sizes = re.search(r"2 checkpoints of ≈([\d.]+) MB \(\+1 while saving\) need ([\d.]+) MB", rows[8].detail)
+    each, need = float(sizes.group(1)) * 1e6, float(sizes.group(2)) * 1e6
+    assert states <= each <= states + 2**20 and need == pytest.approx(3 * each, abs=0.15e6), rows[8].detail
+    assert rows[8].result == "FAIL" and rows[8].detail.endswith(
+        ": free space there, lower intervals.keep_checkpoints or move job_dir")
+    assert rows[32].result == "PASS", rows[32].detail

@@ -28,7 +28,7 @@ import pytest
 
 from taehv_slurm.executor import make_executor
 from taehv_slurm.runtime.checkpoint import Checkpointer, CheckpointError
-from taehv_slurm.security import UnsafePathError
+from taehv_slurm.security import UnsafePathError, check_safe_to_load
 from taehv_slurm.submission import submit
 from tests.helpers import LOCAL_TASK_ENV, REPO, make_cluster, wait_done
 from tests.security_helpers import TEST_USER, User, mode, one_line, unprivileged_user
@@ -281,6 +281,29 @@ out["planted"] = attempt(Checkpointer(planted / "checkpoints", trust_root=plante
 out["theirs"] = attempt(Checkpointer(theirs))
 print(json.dumps(out))
 """
+
+
+def test_folders_above_the_run_are_checked_as_written_and_with_links_resolved(tmp_path: Path) -> None:
+    """A folder everyone may write (no sticky bit) above the run folder is refused whether it lies on the
+    path as written (anyone could swap the link below it) or on the path the links resolve to (anyone
+    could swap the run folder itself); a path with neither loads."""
+    safe, open_dir = tmp_path / "safe", tmp_path / "open"
+    for folder in (safe / "real" / "run", open_dir / "inner" / "run"):
+        folder.mkdir(parents=True, mode=0o700)
+        (folder / "state.pt").write_bytes(b"x")
+        os.chmod(folder / "state.pt", 0o600)
+    os.chmod(open_dir, 0o777)
+    # written through safe folders only, lying below the open one
+    (safe / "link").symlink_to(open_dir / "inner")
+    # written through the open folder, lying in safe ones
+    (open_dir / "door").symlink_to(safe / "real")
+    for run in (safe / "link" / "run", open_dir / "door" / "run"):
+        with pytest.raises(UnsafePathError) as err:
+            check_safe_to_load(run / "state.pt", run)
+        assert one_line(str(err.value)) == (
+            f"refusing to load {run / 'state.pt'}: {open_dir} is writable by everyone without the sticky bit "
+            f"(mode 0777); run `chmod o-w {open_dir}` or move the run folder")
+    check_safe_to_load(safe / "real" / "run" / "state.pt", safe / "real" / "run")
 
 
 def test_checkpoint_load_refuses_writable_or_foreign_files(user: User) -> None:
