@@ -45,7 +45,7 @@ from taehv_slurm.executor import make_executor
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.requeue import NotRequeueableError, RequeueableTask
 from taehv_slurm.submission import RunBusyError, submit
-from tests.helpers import REPO, events, make_cluster, quick_train, wait_done, wait_for
+from tests.helpers import REPO, events, make_cluster, quick_train, rank_record, wait_done, wait_for
 from tests.tasks import CountingTask, NeverPolls, train_with_the_context
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -115,7 +115,8 @@ def cases(slurm_cluster, tmp_path_factory) -> Iterator[Cases]:
         busy=submit(CountingTask(3000), one(time_min=15), "busy"),
         mktemp_job=make_executor(one(), mktemp_folder).submit(os.getpid),
         mktemp_folder=mktemp_folder,
-        limited=submit(CountingTask(3000), one(time_min=10, max_requeues=1), "limited"),
+        # paused at step 3 until preempted: it must still run when its test comes, late in the module
+        limited=submit(CountingTask(30, pause_at=3), one(time_min=30, max_requeues=1), "limited"),
     )
     try:
         yield found
@@ -307,9 +308,10 @@ def test_the_requeue_limit_stops_the_job_when_it_would_start_once_more(cases: Ca
     """`max_requeues: 1`: one restart of the job, for any reason; preempted a second time, it saves as
     ever, but its next start is refused (`stopped`, the reason in `taehv status`) and it ends FAILED."""
     handle = cases.limited
-    for attempt in (1, 2):  # preempt each attempt once it trains
+    for attempt in (1, 2):  # preempt each attempt once it waits at its pause (step 3)
         wait_for(lambda attempt=attempt: len(events(handle, "start")) == attempt
-                 and len(steps_done(handle.run_dir)) >= 3 * attempt, 300, f"attempt {attempt} to train")
+                 and rank_record(handle, 0).get("restart") == attempt - 1
+                 and rank_record(handle, 0).get("step") == 3, 300, f"attempt {attempt} to train")
         subprocess.run(["scontrol", "requeue", handle.job_id], check=True)
         wait_for(lambda attempt=attempt: len(events(handle, "requeue")) == attempt, 120, "its requeue")
     assert wait_done(handle.job_id, 300) == "FAILED", handle.tail(40)
