@@ -27,8 +27,9 @@ def read_registry(job_dir: str | os.PathLike) -> list[dict[str, Any]]:
             if e.get("event") == "submitted"]
 
 
-def record_submission(job_dir: str | os.PathLike, entry: Mapping[str, Any]) -> None:
-    EventLog(Path(job_dir) / REGISTRY).write("submitted", **entry)
+def record_submission(job_dir: str | os.PathLike, entry: Mapping[str, Any], group: str | None = None) -> None:
+    """Append one submission; a new registry is readable by `group` (the cluster config's) like the runs."""
+    EventLog(Path(job_dir) / REGISTRY, group_readable=group is not None).write("submitted", **entry)
 
 
 def run_name(record: Mapping[str, Any]) -> str:

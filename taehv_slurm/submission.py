@@ -137,7 +137,7 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig,
             "cluster": cluster.masked(),  # secrets as '***': the registry is a file others may read
             **dict(rec),
         }
-        record_submission(job_dir, entry)
+        record_submission(job_dir, entry, cluster.group)
         handles.append(JobHandle(job, run_dir, cluster, entry))
     return handles
 

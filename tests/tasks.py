@@ -82,6 +82,27 @@ class CountingTask:
         return step
 
 
+class SlowToLoad(CountingTask):
+    """CountingTask whose pickle, in the first attempt, takes until `<gate>/released` exists to load, having
+    written `<gate>/loading`: a signal sent meanwhile reaches the job while its task is still starting."""
+
+    def __init__(self, gate: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = gate
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import time
+        from pathlib import Path
+
+        self.__dict__.update(state)
+        gate = Path(self.gate)
+        if not (gate / "released").exists():
+            (gate / "loading").touch()
+            deadline = time.monotonic() + 120
+            while not (gate / "released").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
 class NeverPolls:
     """Takes the run context but never reaches a step boundary: it cannot save at a signal."""
 
@@ -119,3 +140,37 @@ class FailsAtStep:
             step += 1
             if step % 2 == 0:
                 _save_count(checkpoints, step)
+
+
+class MeetsAFault:
+    """Trains like CountingTask (rank 0 saves every step) and, at `step`, meets a fault from outside its code:
+    `ecc` raises what a GPU with an uncorrectable ECC error raises, in the first attempt only (the next one
+    finishes `steps`); `kill` has every rank wait `wait_s` (its watchdog records the step meanwhile), then
+    die by SIGKILL, in every attempt (as an out-of-memory kill at the same step repeats)."""
+
+    def __init__(self, fault: str, step: int, steps: int, wait_s: float = 0.0) -> None:
+        self.fault, self.step, self.steps, self.wait_s = fault, step, steps, wait_s
+
+    def __call__(self, ctx: Any) -> int:
+        import os
+        import signal
+        import time
+
+        checkpoints = Checkpointer(ctx.run_dir / "checkpoints", keep=2)
+        step = checkpoints.latest_step() or 0
+        ctx.started(step)
+        main = ctx.env.rank == 0  # rank 0 saves: the ranks share no process group here
+        while step < self.steps:
+            save = functools.partial(_save_count, checkpoints, step) if main else lambda: None
+            ctx.step_boundary(step, save)
+            if step == self.step and self.fault == "ecc" and ctx.env.restart_count == 0:
+                raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+            if step == self.step and self.fault == "kill":
+                time.sleep(self.wait_s)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.1)
+            step += 1
+            if main:
+                _save_count(checkpoints, step)
+        ctx.finished(step)
+        return step

@@ -1,10 +1,12 @@
 """Any GPU count, the same training (the Slurm testbed: CPU, gloo, one real process per rank).
 
 The tiny config without its teacher, at 32×32 (`quick_train`: what is compared is the split, the reduction
-and the resume, which the teacher's latents do not touch), with effective batch 8: world sizes 1, 2, 3 and
-5 (3 and 5 split unevenly: 3+3+2 and 2+2+2+1+1) train the same 5 steps on the same clips, for the flat
-all-reduce engine and ZeRO-2, and a run resumed at another world size continues the same run. Their
-exports (jobs.export) are the same file where the weights are the same.
+and the resume, which the teacher's latents do not touch), with effective batch 8 in micro-batches of at
+most 2: world sizes 1, 2, 3 and 5 train the same 5 steps on the same clips, for the flat all-reduce engine
+and ZeRO-2, and a run resumed at another world size continues the same run. The splits: 1 rank, 4
+micro-batches of 2; 2 ranks, 2 + 2 each; 3 ranks, shares 3 + 3 + 2 as [2, 1], [2, 1], [2] (micro-batches
+of different sizes on a rank, and under ZeRO-2 rank 2's weight-0 padding micro-batch [2, 0]); 5 ranks,
+shares 2 + 2 + 2 + 1 + 1. An export (jobs.export) depends on the weights alone, not on what trained them.
 
 Tolerances, and why. Only the arithmetic order differs between world sizes (a rank sums its share, the
 all-reduce sums the ranks; a convolution over 3 clips blocks its sums differently than over 4), which
@@ -16,8 +18,7 @@ changes a gradient by a few units in its last place (≈1e-7 relative):
   AdamW divides each gradient component by its own running size (+ eps = 1e-8), so a component that is
   itself ~1e-8 — where last-place rounding of the sums that produce it is relatively large — can take a
   different step of up to lr (Σ lr over these 5 warmup steps = 7.5e-4). The same arithmetic difference
-  between two engines on ONE rank (ZeRO-2 vs all-reduce) measures 8e-4 relative and 1.4e-4 at most; the
-  all-reduce engine at 2 ranks is bit-identical to 1 rank (same micro-batch shapes).
+  between two engines on ONE rank (ZeRO-2 vs all-reduce) measured 8e-4 relative and 1.4e-4 at most.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from taehv_slurm.plan import plan_for
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.training import submit_training
 from tests.helpers import make_cluster, quick_train
@@ -39,7 +41,9 @@ STEPS = 5
 WORLD_SIZES = (1, 2, 3, 5)
 LOSS_REL, GRAD_NORM_REL, WEIGHTS_REL_L2, WEIGHTS_ATOL = 1e-5, 2e-5, 2e-3, 2e-4
 EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000,
-         "intervals.record_samples": True, "batch.effective": 8, "batch.per_gpu": 4}
+         "intervals.record_samples": True, "batch.effective": 8, "batch.per_gpu": 2}
+# Each rank's micro-batches at 3 ranks (see the module docstring): what the runs must exercise.
+SPLIT_AT_3 = {"allreduce": [[2, 1], [2, 1], [2]], "zero2": [[2, 1], [2, 1], [2, 0]]}
 
 
 def ranks(job_dir: Path, count: int):
@@ -115,8 +119,10 @@ def test_every_world_size_trains_the_same_steps(runs, engine: str) -> None:
     for world in WORLD_SIZES[1:]:
         assert_same_run(runs[(engine, world)], runs[(engine, 1)])
     starts = [json.loads(line) for line in (runs[(engine, 3)] / "events.jsonl").read_text().splitlines()]
-    # the shipped batch, split 3+3+2
-    assert starts[0]["world_size"] == 3 and starts[0]["effective_batch"] == 8
+    # the batch split 3+3+2 into micro-batches of at most 2, as the ranks planned it
+    assert (starts[0]["world_size"], starts[0]["effective_batch"], starts[0]["grad_accum"]) == (3, 8, 2)
+    plan = plan_for(1, 3, quick_train(steps=STEPS, **EXACT, **{"engine.kind": engine}), device="cpu")
+    assert [plan.microbatch_sizes(rank) for rank in range(3)] == SPLIT_AT_3[engine]
 
 
 def test_both_engines_agree(runs) -> None:
@@ -141,16 +147,23 @@ def test_resumed_at_other_world_sizes_and_engines_continues_the_same_run(runs, t
 
 
 def test_export_depends_only_on_the_weights(runs, tmp_path: Path) -> None:
-    from taehv_slurm.trainer.export import export_weights
-
-    files = {key: export_weights(run, tmp_path / f"{key[0]}-{key[1]}.safetensors", "fp32").weights
-             for key, run in runs.items()}
-    # the same weights (all-reduce at 1 and 2 ranks are bit-identical) give the same bytes, whatever trained
-    # them
-    assert files[("allreduce", 1)].read_bytes() == files[("allreduce", 2)].read_bytes()
+    """Every engine and world size exports its weights alike: each run's checkpoint gives the same file as
+    the one-rank all-reduce checkpoint carrying that run's weights (its optimizer state, RNG, engine and
+    world size in meta.json left as they were)."""
     from safetensors.torch import load_file
 
-    reference = load_file(files[("allreduce", 1)])
-    for key, path in files.items():
-        exported = load_file(path)
-        assert list(exported) == list(reference) and max_difference(exported, reference) <= WEIGHTS_ATOL, key
+    from taehv_slurm.trainer.export import export_weights
+
+    _, host_state, host_meta = Checkpointer(runs[("allreduce", 1)] / "checkpoints").load_latest()
+    reference = load_file(export_weights(runs[("allreduce", 1)], tmp_path / "reference.safetensors",
+                                         "fp32").weights)
+    for (engine, world), run in runs.items():
+        step, state, meta = Checkpointer(run / "checkpoints").load_latest()
+        assert (meta["engine"], meta["world_size"]) == (engine, world)
+        carried = tmp_path / f"{engine}-{world}-carried"
+        Checkpointer(carried / "checkpoints").save({**host_state, "params": state["params"]}, step, host_meta)
+        exported = [export_weights(folder, tmp_path / f"{engine}-{world}-{name}.safetensors", "fp32").weights
+                    for folder, name in ((run, "own"), (carried, "carried"))]
+        assert exported[0].read_bytes() == exported[1].read_bytes(), (engine, world)
+        weights = load_file(exported[0])
+        assert list(weights) == list(reference) and max_difference(weights, reference) <= WEIGHTS_ATOL

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -55,12 +58,40 @@ def test_async_save_returns_before_the_write_and_lands(tmp_path: Path) -> None:
 
 
 def test_load_refuses_what_it_cannot_read(tmp_path: Path) -> None:
+    """Bytes overwritten at the same size fail the checksum; where the checksum was rewritten too (or a
+    checkpoint of a release without checksums), torch's own load fails, and the message says the file is
+    damaged in the library's words with torch's reason, never torch's headline about weights_only."""
     ckpt = Checkpointer(tmp_path)
     ckpt.save(state_for(3, 0.01), 3)
-    (tmp_path / "step_00000003" / "state.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError) as err:
-        ckpt.load(3)
-    assert "delete that folder" in str(err.value) and "\n" not in str(err.value)
+    folder = tmp_path / "step_00000003"
+    written = (folder / "state.pt").read_bytes()
+    meta = json.loads((folder / "meta.json").read_text())
+    # Not a zip, so torch unpickles it: the first byte, 'n' (110), is no pickle opcode it accepts.
+    text = (b"not a checkpoint " * len(written))[:len(written)]
+    zip_end_zeroed = written[:-100] + bytes(100)  # a zip whose directory is gone: torch's reason, whatever
+    for damaged, reason in ((text, f"Unsupported operand {ord('n')}"), (zip_end_zeroed, None)):
+        assert len(damaged) == len(written)
+        (folder / "state.pt").write_bytes(damaged)
+        (folder / "meta.json").write_text(json.dumps(meta))
+        with pytest.raises(CheckpointError) as err:
+            ckpt.load(3)
+        assert str(err.value) == (f"cannot load checkpoint {folder}: state.pt does not match its checksum "
+                                  "(overwritten since it was saved); delete that folder to resume from an "
+                                  "older one (it was not loaded)")
+        for files in ({"state.pt": {"bytes": len(damaged), "sha256": hashlib.sha256(damaged).hexdigest()}},
+                      None):  # rewritten with the file; none at all (written before checksums)
+            (folder / "meta.json").write_text(json.dumps({**meta, "files": files}))
+            with pytest.raises(CheckpointError) as err:
+                ckpt.load(3)
+            found = re.fullmatch(rf"cannot load checkpoint {re.escape(str(folder))}: state\.pt is damaged or "
+                                 r"not a torch checkpoint: cut short, overwritten, or not written by this "
+                                 r"library \(([^\n]+)\); delete that folder to resume from an older one \(it "
+                                 r"was not loaded\)", str(err.value))
+            assert found, str(err.value)
+            if reason is not None:
+                assert found.group(1) == reason
+            else:
+                assert "weights" not in found.group(1).lower(), found.group(1)
 
 
 def test_a_damaged_newest_checkpoint_is_moved_aside_and_the_older_one_resumes(tmp_path: Path) -> None:
@@ -159,3 +190,30 @@ def test_disk_full_keeps_the_previous_latest(small_disk: Path) -> None:
     step, state, _ = ckpt.load_latest()
     assert step == 1 and state["optimizer_step"] == 1
     assert not list((small_disk / "ck").glob("*.tmp-*"))  # the partial write was cleaned up
+
+
+def test_preflight_wants_room_for_the_checkpoints_kept_and_one_more(tmp_path: Path) -> None:
+    """Preflight's `checkpoint folder` row asks for keep_checkpoints + 1 checkpoints (a new one is complete
+    before the oldest goes), each the model's fp32 weights and two AdamW moments (12 bytes a parameter) plus
+    the ranks' RNG states: the tiny config's 2 + 1 of ≈4.5 MB do not fit 8 MiB, and fit 32 MiB."""
+    from taehv_slurm.preflight import Preflight
+    from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
+    from tests.helpers import tiny_train
+
+    train = tiny_train()
+    states = 12 * sum(p.numel() for p in TAEHV(TAEHVConfig.from_dict(train.model_fields())).parameters())
+    rows = {}
+    for mib in (8, 32):
+        with mounted_tmpfs(tmp_path / f"disk-{mib}", f"size={mib}m") as disk:
+            check = Preflight(str(REPO / "configs/cluster/local.yaml"), str(REPO / "configs/train/tiny.yaml"),
+                              {"job_dir": str(disk / "runs")}, {})
+            check.check_configs()
+            check.check_job_dir()
+            (rows[mib],) = [row for row in check.rows if row.check == "checkpoint folder"]
+            assert list(disk.iterdir()) == []  # probed, nothing left behind
+    sizes = re.search(r"2 checkpoints of ≈([\d.]+) MB \(\+1 while saving\) need ([\d.]+) MB", rows[8].detail)
+    each, need = float(sizes.group(1)) * 1e6, float(sizes.group(2)) * 1e6
+    assert states <= each <= states + 2**20 and need == pytest.approx(3 * each, abs=0.15e6), rows[8].detail
+    assert rows[8].result == "FAIL" and rows[8].detail.endswith(
+        ": free space there, lower intervals.keep_checkpoints or move job_dir")
+    assert rows[32].result == "PASS", rows[32].detail

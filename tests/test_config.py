@@ -4,36 +4,51 @@ every cluster field reaches the sbatch script or the job environment."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+import submitit
+import yaml
 
 from taehv_slurm.backends import SlurmBackend
+from taehv_slurm.changes import flatten
+from taehv_slurm.checks import submit_checks
 from taehv_slurm.config import (
     ClusterConfig,
     ConfigError,
     OptimConfig,
-    TrainConfig,
     load_cluster,
     load_train,
     split_overrides,
 )
-from taehv_slurm.executor import sbatch_preview
-from taehv_slurm.submission import requeueable_task
+from taehv_slurm.executor import LocalExecutor, SlurmExecutor, make_executor, sbatch_preview
+from taehv_slurm.plan import plan_for
+from taehv_slurm.submission import requeueable_task, secrets_in_environ
 from taehv_slurm.typed_yaml import parse_set_args
+from tests.videos import write_video
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "cluster").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_cluster_configs_load(path: Path) -> None:
+    """Every value the file sets is the loaded config's (none dropped, none replaced by a default), and a
+    file that does not set tasks_per_node gets one task per GPU (one per node without GPUs)."""
+    written = yaml.safe_load(path.read_text())
     cfg = load_cluster(path)
-    assert cfg.tasks_per_node == (cfg.gpus_per_node or cfg.tasks_per_node)
+    assert {key: getattr(cfg, key) for key in written} == written
+    if "tasks_per_node" not in written:
+        assert cfg.tasks_per_node == (cfg.gpus_per_node or 1) == (written.get("gpus_per_node", 8) or 1)
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "train").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_train_configs_load(path: Path) -> None:
-    assert isinstance(load_train(path), TrainConfig)
+    """Every value the file sets, at any depth, is the loaded config's."""
+    written = flatten(yaml.safe_load(path.read_text()))
+    loaded = flatten(load_train(path).to_dict())
+    assert {key: loaded.get(key, "missing") for key in written} == written
 
 
 def one_line(err: pytest.ExceptionInfo) -> str:
@@ -132,50 +147,146 @@ def test_set_overrides_route_and_parse() -> None:
         parse_set_args(["nodes"])
 
 
+# A cluster config with every field away from its default, and where each field must show: in the sbatch
+# script, the task every rank runs (its requeue limits, signal budgets, watchdog), the settings the trainer
+# gets, the executor, or the submit-time checks. The table names every field (checked below).
+PROBE = {
+    "name": "tv", "backend": "slurm", "partition": "gpu-h100", "account": "proj42", "qos": "high",
+    "constraint": "h100", "nodes": 3, "gpus_per_node": 6, "tasks_per_node": 3,
+    "allow_task_gpu_mismatch": True, "gres": "gpu:h100:6", "cpus_per_task": 11, "mem_gb": 480, "time_min": 77,
+    "exclusive": True,
+    "signal_delay_s": 123, "kill_wait_s": 47, "max_requeues": 5, "max_requeues_without_progress": 4,
+    "requeue_on_failure": False, "exclude_failed_nodes": False, "hang_detection": False, "heartbeat_s": 7,
+    "hang_floor_s": 90, "hang_factor": 4, "hang_uncalibrated_s": 900, "slow_rank_margin": 0.7,
+    "slow_rank_windows": 9, "setup": ["module load cuda/12.4"],
+    "env": {"NCCL_SOCKET_IFNAME": "ib0", "HF_TOKEN": "hf_supersecret", "TAEHV_OPAQUE": "opaque-value"},
+    "secret_env": ["TAEHV_OPAQUE"], "srun_args": ["--cpu-bind=none"], "sbatch_args": {"mail-type": "END"},
+    "array_parallelism": 2, "job_dir": "/shared/alice/runs", "python": "/opt/py/bin/python3", "device": "cpu",
+    "dist_backend": "gloo", "rendezvous_timeout_s": 99, "collective_timeout_s": 1234, "torch_threads": 5,
+    "gpu_memory_gb": 40, "group": "taehvgroup", "check_data_on_submit": False, "data_check_budget_s": 0.0,
+    "compile_cache_dir": "/shared/alice/cache", "restart_in_allocation": False, "spare_nodes": 1,
+    "min_nodes": 2,
+}
+
+
+@dataclasses.dataclass
+class Seen:
+    """What one probe config becomes: the sbatch script of a 3-run sweep, the task every rank runs, the
+    settings the trainer gets, the executor, and the submit-time checks of a video config."""
+
+    cfg: ClusterConfig
+    script: str
+    task: Any
+    runtime: Any
+    executor: Any
+    rows: dict[str, Any]
+
+    def variant(self, **changes: Any) -> Seen:
+        return seen(load_cluster({**PROBE, **changes}), self.script_folder)
+
+    script_folder: Path = Path("/shared/alice/runs/run1/submitit")
+
+
+def seen(cfg: ClusterConfig, folder: Path) -> Seen:
+    video = load_train({"data": {"source": "video", "path": str(folder.parent), "frames": 8, "height": 48,
+                                 "width": 64}})
+    rows = {r.check: r for r in submit_checks(cfg, [video], [plan_for(1, 1, video, device="cpu")], [])}
+    return Seen(cfg, sbatch_preview(cfg, folder, array_size=3),
+                requeueable_task(lambda ctx: None, folder.parent, cfg, SlurmBackend()), cfg.runtime(),
+                make_executor(cfg, folder), rows, folder)
+
+
+def _in_sbatch_environ(s: Seen, name: str) -> bool:
+    with secrets_in_environ(s.cfg):
+        return os.environ.get(name) == PROBE["env"][name]
+
+
+ONE_MACHINE = {"nodes": 1, "min_nodes": None, "spare_nodes": 0}  # what the local and debug backends take
+
+REACHES = {
+    "name": lambda s: "#SBATCH --job-name=tv" in s.script,
+    "backend": lambda s: (isinstance(s.executor, SlurmExecutor)
+                          and isinstance(s.variant(**ONE_MACHINE, backend="local").executor, LocalExecutor)
+                          and isinstance(s.variant(**ONE_MACHINE, backend="debug").executor,
+                                         submitit.DebugExecutor)),
+    **{key: (lambda s, key=key: f"#SBATCH --{key}={PROBE[key]}" in s.script)
+       for key in ("partition", "account", "qos", "constraint")},
+    # the ranks' first step on `nodes` of the allocation, which holds `spare_nodes` more
+    "nodes": lambda s: f"taehv_slurm.runtime.steps first {s.script_folder} 3 3 " in s.script,
+    "spare_nodes": lambda s: "#SBATCH --nodes=4" in s.script,
+    "restart_in_allocation": lambda s: ("TAEHV_STEP_LOOP=1" not in s.script and "--no-kill" not in s.script
+                                        and s.task.placement is None
+                                        and "--no-kill" in s.variant(restart_in_allocation=True).script),
+    "min_nodes": lambda s: s.variant(restart_in_allocation=True).task.placement.min_nodes == 2,
+    "gpus_per_node": lambda s: "#SBATCH --gres=gpu:6" in s.variant(gres=None).script,
+    "tasks_per_node": lambda s: "#SBATCH --ntasks-per-node=3" in s.script,
+    "allow_task_gpu_mismatch": lambda s: _refused(allow_task_gpu_mismatch=False),
+    "gres": lambda s: "#SBATCH --gres=gpu:h100:6" in s.script,
+    "cpus_per_task": lambda s: "#SBATCH --cpus-per-task=11" in s.script and s.runtime.cpus_per_task == 11,
+    "mem_gb": lambda s: "#SBATCH --mem=480GB" in s.script,
+    "time_min": lambda s: "#SBATCH --time=77" in s.script,
+    "exclusive": lambda s: "#SBATCH --exclusive" in s.script,
+    "signal_delay_s": lambda s: "#SBATCH --signal=USR2@123" in s.script and s.task.grace_s["timeout"] == 113,
+    "kill_wait_s": lambda s: s.task.grace_s["preempted"] == 42,  # KillWait less the exit's margin
+    "max_requeues": lambda s: s.task.guards.max_requeues == 5 and s.executor.max_num_timeout == 5,
+    "max_requeues_without_progress": lambda s: s.task.guards.max_requeues_without_progress == 4,
+    "requeue_on_failure": lambda s: s.task.requeue_on_failure is False,
+    "exclude_failed_nodes": lambda s: s.task.exclude_failed_nodes is False,
+    "hang_detection": lambda s: s.task.watchdog.enabled is False,
+    "heartbeat_s": lambda s: s.task.watchdog.interval_s == 7,
+    "hang_floor_s": lambda s: s.task.watchdog.floor_s == 90,
+    "hang_factor": lambda s: s.task.watchdog.factor == 4,
+    "hang_uncalibrated_s": lambda s: s.task.watchdog.uncalibrated_s == 900,
+    "slow_rank_margin": lambda s: s.runtime.slow_rank_margin == 0.7,
+    "slow_rank_windows": lambda s: s.runtime.slow_rank_windows == 9,
+    "setup": lambda s: "\nmodule load cuda/12.4\n" in s.script,
+    "env": lambda s: ("export NCCL_SOCKET_IFNAME=ib0" in s.script and "hf_supersecret" not in s.script
+                      and _in_sbatch_environ(s, "HF_TOKEN")),
+    "secret_env": lambda s: "opaque-value" not in s.script and _in_sbatch_environ(s, "TAEHV_OPAQUE"),
+    "srun_args": lambda s: "--kill-on-bad-exit=1" not in s.script and " --cpu-bind=none " in s.script,
+    "sbatch_args": lambda s: "#SBATCH --mail-type=END" in s.script,
+    "array_parallelism": lambda s: "#SBATCH --array=0-2%2" in s.script,
+    "job_dir": lambda s: ("export TAEHV_COMPILE_CACHE=/shared/alice/runs/compile-cache"
+                          in s.variant(compile_cache_dir=None).script),
+    "python": lambda s: s.script.count("/opt/py/bin/python3 -u -m taehv_slurm.runtime.entry") == 2,
+    "device": lambda s: s.runtime.device == "cpu",
+    "dist_backend": lambda s: s.runtime.dist_backend == "gloo",
+    "rendezvous_timeout_s": lambda s: s.runtime.rendezvous_timeout_s == 99,
+    "collective_timeout_s": lambda s: s.runtime.collective_timeout_s == 1234,
+    "torch_threads": lambda s: s.runtime.torch_threads == 5,
+    "gpu_memory_gb": lambda s: s.runtime.gpu_memory_gb == 40,
+    "group": lambda s: "export TAEHV_SHARED_GROUP=taehvgroup" in s.script,
+    "check_data_on_submit": lambda s: s.rows["data"].result == "SKIP",
+    # the job's readers on a sample, within the budget: of 0 s, listing stops before the first folder (the
+    # default 10 s reads the one good video there)
+    "data_check_budget_s": lambda s: s.variant(check_data_on_submit=True).rows["data"].detail.startswith(
+        "none of 0 sampled file(s) under "),
+    "compile_cache_dir": lambda s: (s.runtime.compile_cache_dir == "/shared/alice/cache"
+                                    and "export TAEHV_COMPILE_CACHE=/shared/alice/cache" in s.script),
+}
+
+
+def _refused(**changes: Any) -> bool:
+    try:
+        load_cluster({**PROBE, **changes})
+    except ConfigError:
+        return True
+    return False
+
+
 def test_every_cluster_field_reaches_the_script_or_the_job(tmp_path: Path) -> None:
-    cfg = load_cluster({
-        "name": "tv", "partition": "gpu-h100", "account": "proj42", "qos": "high", "constraint": "h100",
-        "nodes": 3, "gpus_per_node": 8, "gres": "gpu:h100:8", "cpus_per_task": 11, "mem_gb": 480,
-        "time_min": 77, "exclusive": True, "signal_delay_s": 123, "setup": ["module load cuda/12.4"],
-        "env": {"NCCL_SOCKET_IFNAME": "ib0", "HF_TOKEN": "hf_supersecret"}, "srun_args": ["--cpu-bind=none"],
-        "sbatch_args": {"mail-type": "END"}, "group": None,
-    })
-    script = sbatch_preview(cfg, tmp_path / "submitit")
-    for flag in ("--job-name=tv", "--partition=gpu-h100", "--account=proj42", "--qos=high",
-                 "--constraint=h100",
-                 "--nodes=3", "--ntasks-per-node=8", "--gres=gpu:h100:8", "--cpus-per-task=11", "--mem=480GB",
-                 "--time=77", "--exclusive", "--signal=USR2@123", "--requeue", "--mail-type=END"):
-        assert f"#SBATCH {flag}" in script, flag
-    assert "module load cuda/12.4" in script
-    assert "export NCCL_SOCKET_IFNAME=ib0" in script
-    assert f"export TAEHV_COMPILE_CACHE={cfg.runtime().compile_cache_dir}" in script  # Python's bytecode too
-    assert "--cpu-bind=none" in script and "-m taehv_slurm.runtime.entry" in script
-    assert "hf_supersecret" not in script and "HF_TOKEN" not in script
-    # The fields that shape the job at run time travel with the task.
-    runtime = {f.name for f in dataclasses.fields(cfg.runtime())}
-    assert {"device", "dist_backend", "rendezvous_timeout_s", "collective_timeout_s", "torch_threads",
-            "gpu_memory_gb", "cpus_per_task"} <= runtime
-    scheduler = {"name", "partition", "account", "qos", "constraint", "nodes", "gpus_per_node",
-                 "tasks_per_node", "gres", "cpus_per_task", "mem_gb", "time_min", "exclusive",
-                 "signal_delay_s", "setup", "env", "srun_args", "sbatch_args", "group", "python", "backend",
-                 "job_dir", "allow_task_gpu_mismatch", "secret_env", "array_parallelism"}
-    requeue = {"kill_wait_s", "max_requeues", "max_requeues_without_progress", "requeue_on_failure",
-               "exclude_failed_nodes", "heartbeat_s", "hang_detection", "hang_floor_s", "hang_factor",
-               "hang_uncalibrated_s", "restart_in_allocation", "spare_nodes", "min_nodes"}
-    task = requeueable_task(lambda ctx: None, tmp_path / "run", load_cluster(
-        {"heartbeat_s": 7, "hang_floor_s": 90, "hang_factor": 4, "hang_uncalibrated_s": 900,
-         "hang_detection": False, "exclude_failed_nodes": False, "max_requeues": 5}), SlurmBackend())
-    four = load_cluster({"nodes": 4, "min_nodes": 2, "gpus_per_node": 8})
-    placed = requeueable_task(lambda ctx: None, tmp_path / "run", four, SlurmBackend())
-    assert (placed.placement.nodes, placed.placement.min_nodes, placed.placement.tasks_per_node) == (4, 2, 8)
-    spared = sbatch_preview(load_cluster({"nodes": 2, "spare_nodes": 1, "job_dir": str(tmp_path)}), tmp_path)
-    assert "#SBATCH --nodes=3" in spared and "steps first" in spared and " 2 8 " in spared
-    watchdog = task.watchdog
-    assert (watchdog.interval_s, watchdog.floor_s, watchdog.factor, watchdog.uncalibrated_s, watchdog.enabled,
-            task.exclude_failed_nodes, task.guards.max_requeues) == (7, 90, 4, 900, False, False, 5)
-    submit = {"check_data_on_submit", "data_check_budget_s"}  # submit-time checks; see tests/test_local.py
-    every = {f.name for f in dataclasses.fields(ClusterConfig)}
-    assert every <= scheduler | requeue | runtime | submit, every - scheduler - requeue - runtime - submit
+    """Each field of the cluster config, set away from its default, shows where it must act; a field
+    added without a place here fails the test."""
+    assert set(REACHES) == {f.name for f in dataclasses.fields(ClusterConfig)}
+    defaults = ClusterConfig()
+    assert all(getattr(load_cluster(PROBE), k) != getattr(defaults, k) for k in PROBE if k != "backend")
+    videos = tmp_path / "videos"
+    videos.mkdir()
+    write_video(videos / "clip.mp4", 12, 64, 48)
+    probe = seen(load_cluster(PROBE), videos / "submitit")
+    missed = [key for key, check in REACHES.items() if not check(probe)]
+    assert not missed, f"not found where they act: {missed}\n{probe.script}"
+    assert "HF_TOKEN" not in probe.script and "TAEHV_OPAQUE" not in probe.script
 
 
 def test_secrets_are_masked() -> None:

@@ -34,6 +34,11 @@ def test_slurm_task_env() -> None:
     assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (11, 3, 16, 8)
     assert (env.node_rank, env.num_nodes, env.master_addr, env.source) == (1, 2, "gpu007", "slurm")
     assert env.master_port == port_for_job("4242") and env.restart_count == 2
+    # docs/security.md: the cluster config's env can set the port (and address) a Slurm job meets at
+    moved = DistEnv.from_environ({"SLURM_JOB_ID": "4242", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                                  "SLURM_NODEID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "gpu007",
+                                  "TAEHV_MASTER_PORT": "23456", "TAEHV_MASTER_ADDR": "10.1.2.3"})
+    assert (moved.master_port, moved.master_addr) == (23456, "10.1.2.3") != (port_for_job("4242"), "gpu007")
 
 
 def test_torchrun_env() -> None:

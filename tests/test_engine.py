@@ -7,6 +7,8 @@ for one rank. The multi-rank paths run on the Slurm testbed (tests/test_requeue.
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +22,7 @@ from taehv_slurm.trainer.losses import DistillModule
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
 
 ENGINES = ["allreduce", "zero1", "zero2", "zero3"]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -82,6 +85,52 @@ def source_next_loss(state) -> float:
     return loss_of(reference.train_step([batch(100), batch(101)], 1e-3))
 
 
+# Rank RANK of 2 (gloo): for each engine, 4 steps straight, and 2 steps, the full state handed to a new
+# engine (what a checkpoint holds), 2 more; prints per engine whether the two end bit for bit alike.
+RESUME_AT_TWO_RANKS = """
+import sys
+import torch
+from taehv_slurm.runtime.distenv import DistEnv, init_distributed
+from tests.test_engine import batch, engine
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+init_distributed(DistEnv(rank, rank, 2, 2, 0, 1, "127.0.0.1", port, "resume", "single"), "gloo",
+                 timeout_s=120, rendezvous_timeout_s=60, use_cuda=False)
+def train(e, first, last):
+    for s in range(first, last):  # each rank its own clips: 4 * s + 2 * rank, + 1
+        e.train_step([batch(4 * s + 2 * rank), batch(4 * s + 2 * rank + 1)], 1e-3)
+def same(a, b):
+    return all(torch.equal(a[k][n], b[k][n]) for k in ("params", "exp_avg", "exp_avg_sq") for n in a[k]) \
+        and a["optimizer_step"] == b["optimizer_step"] == 4
+for kind in sys.argv[3].split(","):
+    straight = engine(kind)
+    train(straight, 0, 2)
+    saved = straight.full_state()
+    train(straight, 2, 4)
+    resumed = engine(kind)
+    resumed.load_full_state(saved)
+    train(resumed, 2, 4)
+    print(kind, same(straight.full_state(), resumed.full_state()), flush=True)
+"""
+
+
+def test_a_resume_at_the_same_world_size_and_engine_is_bit_identical_at_two_ranks() -> None:
+    """README: a requeued run resumes bit-identical at the same world size and engine. For every engine at
+    two real ranks (ZeRO's states partitioned over them): a new engine given the full state of step 2
+    ends step 4 with the weights and AdamW moments of the one that never stopped."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-c", RESUME_AT_TWO_RANKS]
+    ranks = [subprocess.Popen([*argv, str(rank), str(port), ",".join(ENGINES)], cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=600) for rank in ranks]
+    for rank, (out, err) in zip(ranks, outputs):
+        assert rank.returncode == 0, err[-3000:]
+        said = [line for line in out.splitlines() if line.split(" ")[0] in ENGINES]  # not DeepSpeed's lines
+        assert said == [f"{kind} True" for kind in ENGINES], out + err[-2000:]
+
+
 def test_the_allreduce_engine_sends_what_backward_wrote_from_one_buffer_of_plain_tensors() -> None:
     """Backward writes every gradient into the one buffer the all-reduce sends (no copy), and each
     gradient shares its memory without being an autograd view of it: torch.compile fakes every
@@ -134,5 +183,5 @@ def test_a_zero_rank_starts_without_importing_mlflow_and_can_still_log_to_it() -
     code = ("import sys; from taehv_slurm.trainer.engine import _import_deepspeed; _import_deepspeed(); "
             "hidden = 'mlflow' not in sys.modules; import mlflow; print(hidden, mlflow.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
+                         cwd=REPO)
     assert out.stdout.splitlines()[-1:] == ["True mlflow"], out.stdout[-2000:] + out.stderr[-2000:]

@@ -7,8 +7,10 @@ Entries whose behaviour other test files already cover name those tests in the d
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -252,3 +254,19 @@ def test_unpicklable_task_names_the_attribute() -> None:
         check_picklable(TaskWithALock())
     assert f"UnpicklableTaskError: {err.value}" == documented("unpicklable-task")
     check_picklable(lambda ctx: None)  # notebook lambdas and closures travel by value: fine
+
+
+def test_every_test_the_docs_name_exists() -> None:
+    """README.md and docs/*.md point at tests (`tests/FILE.py::NAME`, a block's `copied from`): each named
+    test is defined in that file, so a renamed or removed test cannot leave the docs citing nothing."""
+    named = {(file, name) for doc in (REPO / "README.md", *sorted((REPO / "docs").glob("*.md")))
+             for file, name in re.findall(r"(tests/\w+\.py)::(\w+)", doc.read_text())}
+    assert len(named) > 20  # the pattern finds what the docs cite
+    missing = []
+    for file, name in sorted(named):
+        path = REPO / file
+        tree = ast.parse(path.read_text()) if path.is_file() else None
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)} if tree else set()
+        if name not in defined:
+            missing.append(f"{file}::{name}")
+    assert not missing, missing

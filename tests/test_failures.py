@@ -6,7 +6,9 @@ Faults come from outside the task, as a cluster inflicts them:
 - `startup`: a missing dataset, found when the job starts;
 - `killed`: one rank's process is killed with SIGKILL (as the out-of-memory killer does);
 - `step_killed`: `scancel --signal=KILL JOB.0`, every process of the job step at once;
-- `unreleased`: a rank killed as above where scontrol refuses to release the job it requeued held.
+- `unreleased`: a rank killed as above where scontrol refuses to release the job it requeued held;
+- `ecc`: a rank raises the error of a GPU's uncorrectable ECC error (a hardware fault: its node is left out);
+- `killed_twice`: both ranks of a 2-node job are killed by SIGKILL at the same step in every attempt.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,7 +32,7 @@ from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
 from tests.helpers import REPO, cli, events, make_cluster, rank_record, tiny_train, wait_done, wait_for
-from tests.tasks import CountingTask, FailsAtStep
+from tests.tasks import CountingTask, FailsAtStep, MeetsAFault
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -42,6 +45,8 @@ class Jobs:
     killed: JobHandle
     step_killed: JobHandle
     unreleased: JobHandle
+    ecc: JobHandle
+    killed_twice: JobHandle
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +63,16 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
                  killed=submit(until_killed, one, "killed"),
                  step_killed=submit(until_killed, one, "step-killed"),
                  unreleased=submit(until_killed, dataclasses.replace(
-                     one, env={"TAEHV_SCONTROL": str(refusing_release_scontrol(job_dir))}), "unreleased"))
+                     one, env={"TAEHV_SCONTROL": str(refusing_release_scontrol(job_dir))}), "unreleased"),
+                 ecc=submit(MeetsAFault("ecc", step=3, steps=6), one, "ecc"),
+                 # a heartbeat of 1 s: the ranks' records show the step before they die 2.5 s into it
+                 killed_twice=submit(MeetsAFault("kill", step=3, steps=6, wait_s=2.5), make_cluster(
+                     job_dir, nodes=2, gpus_per_node=1, time_min=10, heartbeat_s=1), "killed-twice"))
     try:
         yield found
     finally:
-        subprocess.run(["scancel", found.killed.job_id, found.step_killed.job_id, found.unreleased.job_id],
-                       capture_output=True)
+        subprocess.run(["scancel", found.killed.job_id, found.step_killed.job_id, found.unreleased.job_id,
+                        found.ecc.job_id, found.killed_twice.job_id], capture_output=True)
 
 
 def refusing_release_scontrol(folder: Path) -> Path:
@@ -83,13 +92,18 @@ def test_a_diverged_run_fails_in_one_line_and_never_saves_garbage(tmp_path: Path
                "nan", "--follow", cwd=REPO, timeout=600)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode == 1 and len(errors) == 1, done.stdout[-3000:] + done.stderr
-    assert errors[0].startswith("error: DivergedError: step ")
+    stopped_at = int(re.match(r"error: DivergedError: step (\d+): ", errors[0]).group(1))
     assert "not finite in 3 steps in a row" in errors[0]
     assert "lower optim.lr (now 0.5) or lengthen optim.warmup_steps" in errors[0]
     run = tmp_path / "nan"
     job = JobHandle.attach("nan", tmp_path)
     assert wait_done(job.job_id, 60) == "FAILED"
-    assert f"the last checkpoint is step {Checkpointer(run / 'checkpoints').latest_step()}" in errors[0]
+    # Saved after every step (ckpt_every 1) except the three skipped ones: the newest checkpoint is the
+    # step before them, and none was written while steps were skipped.
+    latest = Checkpointer(run / "checkpoints").latest_step()
+    assert latest == stopped_at - 3 and f"the last checkpoint is step {latest} (" in errors[0]
+    saved = [e["step"] for e in events(job, "checkpoint")]
+    assert saved == list(range(1, latest + 1)), saved
     _, state, _ = Checkpointer(run / "checkpoints").load_latest()
     assert all(bool(v.isfinite().all()) for v in state["params"].values())  # `latest` is never garbage
     for line in (run / "metrics.jsonl").read_text().splitlines():  # strict JSON: null, never NaN
@@ -107,6 +121,17 @@ def test_a_diverged_run_fails_in_one_line_and_never_saves_garbage(tmp_path: Path
         f"error: checkpoint step 1 holds non-finite weights (1 tensor(s), e.g. {name}): the run diverged; "
         "export an earlier checkpoint (its checkpoints/step_N folder)")
     assert not (tmp_path / "x.pth").exists()
+    # Resumed from it, the weights stay non-finite (each update is skipped); one step is within the budget,
+    # and the save at the run's end refuses the state: the poisoned checkpoint stays the latest.
+    from taehv_slurm.trainer.task import TrainTask  # torch, the model: in this test's process only
+    from taehv_slurm.trainer.train import DivergedError
+
+    with pytest.raises(DivergedError) as err:
+        TrainTask(tiny_train(steps=2).to_dict(),
+                  {"device": "cpu", "torch_threads": 1, "run_dir": str(tmp_path / "poisoned")})()
+    assert str(err.value).startswith(f"step 2: the model state holds non-finite values (1 tensor(s), e.g. "
+                                     f"params.{name}); it was not saved, the last checkpoint stays latest")
+    assert Checkpointer(tmp_path / "poisoned" / "checkpoints").steps() == [1]
 
 
 def test_a_failure_that_repeats_stops_after_two_attempts(jobs: Jobs) -> None:
@@ -174,3 +199,36 @@ def test_a_job_step_killed_from_outside_names_the_signal_rank_and_host(jobs: Job
     (row,) = json.loads(status.stdout)
     assert f"rank 0 on {host} was killed by SIGKILL" in row["note"]
     assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)
+
+
+def test_a_hardware_error_moves_the_job_off_its_node(jobs: Jobs) -> None:
+    """A rank's error that names the GPU's hardware (ECC, Xid) is a node fault: the job is requeued without
+    that node and resumes from its checkpoint elsewhere."""
+    handle = jobs.ecc
+    assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)
+    first, second = events(handle, "start")
+    (failure,) = events(handle, "failure")
+    assert (failure["error"], failure["step"], failure["host"]) == (
+        "RuntimeError: CUDA error: uncorrectable ECC error encountered", 3, first["host"])
+    (requeue,) = events(handle, "requeue")
+    assert (requeue["reason"], requeue["excluded"], requeue["excluded_now"]) == (
+        "failure", [first["host"]], [first["host"]])
+    assert second["host"] != first["host"] and second["step"] == requeue["step"] == 3
+
+
+def test_a_rank_killed_at_the_same_step_twice_stops_and_exclusion_leaves_room(jobs: Jobs) -> None:
+    """Both ranks of a 2-node job die by SIGKILL at step 3: their two nodes would be left out, but the
+    testbed's partition of 3 nodes must still hold the job, so only the first is; killed again at the same
+    step, by the same signal, the run stops instead of trying a third time."""
+    handle = jobs.killed_twice
+    assert wait_done(handle.job_id, 300) == "FAILED", handle.tail(60)
+    first, second = events(handle, "killed")
+    seen = [(e["step"], e["signal_name"], e["ranks"]) for e in (first, second)]
+    assert seen == [(3, "SIGKILL", [0, 1])] * 2, (first, second)
+    (requeue,) = events(handle, "requeue")
+    assert len(first["hosts"]) == 2 and requeue["excluded"] == first["hosts"][:1]
+    assert requeue["exclusion_capped"] == "the partition must still hold the job"
+    assert first["hosts"][0] not in second["hosts"]
+    (stopped,) = events(handle, "stopped")
+    assert stopped["reason"].startswith(f"the same failure ended two attempts in a row ({second['detail']})")
+    assert len(events(handle, "start")) == 2 and handle.summary()["note"] == stopped["reason"]

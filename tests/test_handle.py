@@ -127,8 +127,13 @@ def test_running_job_through_handle_and_clis(jobs: Jobs) -> None:
 
     logs = cli("jobs.logs", train.job_id, "-n", "200", "--job-dir", str(jobs.job_dir))
     assert logs.returncode == 0 and f"train step 4/{TRAIN_STEPS}" in logs.stdout
-    assert "[rank 1]" not in cli("jobs.logs", train.job_id, "--rank", "0", "--job-dir",
-                                 str(jobs.job_dir)).stdout
+    # each rank's own file: submitit's first line there names the rank; only rank 0 logs the steps
+    by_rank = [cli("jobs.logs", train.job_id, "--rank", str(rank), "-n", "200", "--job-dir",
+                   str(jobs.job_dir)) for rank in (0, 1)]
+    assert [done.returncode for done in by_rank] == [0, 0], [done.stderr for done in by_rank]
+    assert [re.findall(r"global_rank=(\d)\(2\)", done.stdout) for done in by_rank] == [["0"], ["1"]]
+    assert f"[rank 0] train step 4/{TRAIN_STEPS}" in by_rank[0].stdout
+    assert "train step" not in by_rank[1].stdout
 
     # Follow rank 0's log from now until the job ends: across the requeue below.
     jobs.follower = subprocess.Popen([sys.executable, "-m", "jobs.logs", train.job_id, "--follow",

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from taehv_slurm.goodput import summary as goodput_summary
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.training import submit_training
 from tests.helpers import (
@@ -64,7 +65,9 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
 
 def test_a_stopped_rank_is_found_named_and_left_behind(jobs: Jobs) -> None:
     handle = jobs.hung
-    wait_for(lambda: (rank_record(handle, 1).get("step") or 0) >= 25, 300, "training past a checkpoint")
+    # Past the checkpoint of step 20 and, as its record lags a heartbeat (≤ 6 steps), short of the save at
+    # 30: the others then wait in a step (a save's own timeout is uncalibrated this early in a run).
+    wait_for(lambda: (rank_record(handle, 1).get("step") or 0) >= 21, 300, "training past a checkpoint")
     victim = rank_record(handle, 1)
     stopped_at = time.monotonic()
     os.kill(victim["pid"], signal.SIGSTOP)  # a stuck GPU, a dead NFS mount: the process makes no progress
@@ -75,7 +78,11 @@ def test_a_stopped_rank_is_found_named_and_left_behind(jobs: Jobs) -> None:
     # detected within its timeout, plus one heartbeat to notice and a few seconds of margin
     assert found_after <= max(HANG_FLOOR_S, 5 * slowest) + HEARTBEAT_S + 10, (found_after, slowest)
     assert (hang["ranks"], hang["hosts"]) == ([1], [victim["host"]])
-    assert hang["detail"].startswith(f"hang: rank 1 on {victim['host']} stopped (no sign of life for ")
+    # the others' section timed out after max(floor, 5 × the slowest step it saw): the floor, here
+    assert 5 * slowest < HANG_FLOOR_S
+    assert re.fullmatch(rf"hang: rank 1 on {victim['host']} stopped \(no sign of life for \d+ s: frozen, "
+                        r"or its node is gone\); the others waited \d+ s in step "
+                        rf"\(timeout {HANG_FLOOR_S:.0f} s\)", hang["detail"]), hang["detail"]
     bundle = Path(hang["bundle"])
     assert (bundle / "verdict.txt").read_text().strip() == hang["detail"]
     stacks = (bundle / "stacks-rank-0.txt").read_text()
@@ -90,6 +97,23 @@ def test_a_stopped_rank_is_found_named_and_left_behind(jobs: Jobs) -> None:
     assert start["step"] == requeue["step"] and start["step"] >= 20  # resumed from its last checkpoint
     kept = [r["step"] for r in metrics(handle.run_dir) if "loss" in r]
     assert kept == [1, *range(2, 61, 2)]  # every logged step once: nothing lost beyond the checkpoint
+    lost_work_is_counted(handle, lost=hang["step"] - requeue["step"], kept_at=requeue["step"])
+
+
+def lost_work_is_counted(handle: JobHandle, lost: int, kept_at: int) -> None:
+    """Goodput: the first attempt trained `lost` steps past the checkpoint the next one resumed from; in
+    JobHandle.goodput(), `taehv status --goodput` and the run's closing summary line."""
+    assert lost > 0
+    frame = handle.goodput()
+    assert (list(frame["kept_until"]), list(frame["lost_steps"])) == ([kept_at, 60], [lost, 0])
+    assert frame["lost_s"].iloc[0] > 0 and frame.attrs["lost_s"] == pytest.approx(frame["lost_s"].iloc[0])
+    shown = cli("jobs.status", handle.job_id, "--goodput", "--format", "json", "--job-dir",
+                str(handle.job_dir))
+    assert shown.returncode == 0, shown.stderr
+    assert [(r["attempt"], r["lost_steps"]) for r in json.loads(shown.stdout)] == [(0, lost), (1, 0)]
+    line = goodput_summary(frame)
+    assert re.fullmatch(rf"goodput: ETTR \d+ % of [\d.]+ node-h; first step after \d+ s \(start-up \d+ s\); "
+                        rf"1 interruption\(s\) lost {lost} step\(s\) \(\d+ s\); saves [\d.]+ s", line), line
 
 
 def test_a_clean_run_names_no_slow_rank_and_finds_no_hang(jobs: Jobs) -> None:

@@ -26,6 +26,7 @@ from taehv_slurm.cli import COMMANDS
 from tests.helpers import REPO
 
 PACKAGE = REPO / "taehv_slurm"
+# Pure modules every layer may import (the trainer checks a resume with `changes`, logs its config with it).
 SHARED = {"taehv_slurm.config", "taehv_slurm.changes", "taehv_slurm.plan", "taehv_slurm.messages",
           "taehv_slurm.security", "taehv_slurm.machine", "taehv_slurm.train_config", "taehv_slurm.typed_yaml",
           "taehv_slurm.submitit_api"}
@@ -68,10 +69,18 @@ def imported_modules(path: Path) -> set[str]:
 
 @pytest.mark.parametrize("path", modules(PACKAGE), ids=lambda p: p.name)
 def test_the_driver_never_imports_the_trainer_or_the_cli(path: Path) -> None:
-    if path.name == "__main__.py":  # `python -m taehv_slurm` is the CLI's own entry
+    if path.name == "__main__.py":  # `python -m taehv_slurm` is the CLI's own entry: the CLI and nothing else
+        assert imported_modules(path) == {"taehv_slurm.cli"}, f"{path.relative_to(REPO)} imports more"
         return
     bad = {n for n in imported_modules(path) if layer_of(n) in ("trainer", "cli")}
     assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
+def test_the_design_map_names_the_shared_modules_these_rules_allow() -> None:
+    """docs/design.md's map says which driver modules every layer may import; it names the set SHARED."""
+    text = (REPO / "docs" / "design.md").read_text()
+    (listed,) = re.findall(r"shared: ([\w, ]+) \(importable by all\)", text)
+    assert {f"taehv_slurm.{name.strip()}" for name in listed.split(",")} == SHARED
 
 
 @pytest.mark.parametrize("path", modules(PACKAGE / "runtime"), ids=lambda p: p.name)

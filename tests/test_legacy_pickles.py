@@ -31,6 +31,16 @@ del wrapped.backend  # the old code read the backend from SUBMITIT_EXECUTOR when
 DelayedSubmission(wrapped).dump(pickle)
 """
 
+# What the entry point does before submitit loads a pickle (legacy.install), then which backend it got.
+BACKEND_OF_0_1_PICKLE = """
+import pickle, sys
+from taehv_slurm.runtime import legacy
+legacy.install()
+with open(sys.argv[1], "rb") as f:
+    task = pickle.load(f).function
+print(type(task).__name__, type(task.backend).__name__)
+"""
+
 
 def test_a_job_pickled_by_0_1_runs_after_the_upgrade(tmp_path: Path) -> None:
     run_dir = make_private_dir(tmp_path / "run")
@@ -42,6 +52,13 @@ def test_a_job_pickled_by_0_1_runs_after_the_upgrade(tmp_path: Path) -> None:
     data = pickle.read_bytes()
     assert (b"trainer.train" in data and b"taehv_slurm.requeue" in data
             and b"taehv_slurm.trainer.task" not in data)
+
+    # The backend object an old task gets is the one named by the executor it runs under.
+    for executor, backend in (("slurm", "SlurmBackend"), ("local", "LocalBackend"), ("", "DirectBackend")):
+        loaded = subprocess.run([sys.executable, "-c", BACKEND_OF_0_1_PICKLE, str(pickle)], cwd=tmp_path,
+                                env={**os.environ, "PYTHONPATH": str(REPO), "SUBMITIT_EXECUTOR": executor},
+                                capture_output=True, text=True, timeout=120)
+        assert loaded.stdout.split() == ["RequeueableTask", backend], loaded.stdout + loaded.stderr
 
     (tmp_path / "trainer.py").write_text("raise RuntimeError('the user trainer.py was imported')\n")
     env = {**os.environ, **LOCAL_TASK_ENV, "PYTHONPATH": str(REPO)}

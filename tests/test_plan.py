@@ -3,28 +3,25 @@ memory, loader by the measured per-worker rates, NCCL by node count."""
 
 from __future__ import annotations
 
-import math
+import json
+import os
 import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from taehv_slurm.config import ConfigError, load_train
-from taehv_slurm.plan import (
-    CLIPS_PER_WORKER,
-    LOADER_HEADROOM,
-    REFERENCE_CLIP_ELEMENTS,
-    TRAIN_CLIPS_PER_GPU,
-    plan_for,
-    taehv_param_count,
-)
-from tests.helpers import REPO
+from taehv_slurm.plan import plan_for, taehv_param_count
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def real():
-    from pathlib import Path
-
-    return load_train(Path(__file__).resolve().parents[1] / "configs/train/taehv.yaml")
+    return load_train(REPO / "configs/train/taehv.yaml")
 
 
 def check_split(plan) -> None:
@@ -151,17 +148,74 @@ def test_param_count_matches_the_model(real) -> None:
     assert taehv_param_count(tiny) == param_counts(model)["total"]
 
 
-def test_plan_is_pure_and_cpu_plans_have_no_nccl(real) -> None:
-    assert plan_for(2, 8, real) == plan_for(2, 8, real)
+# What a fresh interpreter, started with none of this process's state, plans for 2 nodes × 8 GPUs.
+FRESH_PLAN = """
+import json, sys
+from taehv_slurm.config import load_train
+from taehv_slurm.plan import plan_for
+print(json.dumps(plan_for(2, 8, load_train(sys.argv[1])).to_dict()))
+"""
+# Audit events that would mean the plan touched the world outside its arguments.
+OUTSIDE = ("open", "os.listdir", "os.scandir", "os.system", "subprocess.Popen", "socket.connect",
+           "socket.getaddrinfo", "shutil.disk_usage")
+_audited: list[str] = []
+_auditing = threading.local()
+
+
+def _audit(event: str, args: tuple) -> None:
+    if getattr(_auditing, "on", False) and event in OUTSIDE:
+        _audited.append(f"{event}{args!r}"[:200])
+
+
+
+def test_plan_is_pure_and_cpu_plans_have_no_nccl(real, tmp_path: Path, monkeypatch) -> None:
+    """The plan is a function of its arguments only: what another process with another environment and
+    folder plans is the same, the config it reads is left as it was, two plans share no mutable part, and
+    planning opens no file, starts no process and makes no connection."""
+    given = real.to_dict()
+    first = plan_for(2, 8, real)
+    first.notes.append("changed by a caller")
+    first.nccl_env["CHANGED"] = "by a caller"
+    for nodes, gpus in ((1, 1), (3, 8), (16, 8)):  # earlier calls leave nothing behind
+        plan_for(nodes, gpus, real)
+    # The surroundings a plan must not read: a job's launcher variables, visible GPUs, the folder.
+    for key, value in {"SLURM_NNODES": "5", "SLURM_CPUS_PER_TASK": "1", "WORLD_SIZE": "7",
+                       "CUDA_VISIBLE_DEVICES": "", "LOCAL_WORLD_SIZE": "3", "OMP_NUM_THREADS": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    if not getattr(_audit, "installed", False):  # a hook stays for the process: inert outside `_auditing.on`
+        sys.addaudithook(_audit)
+        _audit.installed = True  # type: ignore[attr-defined]
+    _auditing.on = True
+    try:
+        again = plan_for(2, 8, real)
+    finally:
+        _auditing.on = False
+    assert _audited == []
+    assert real.to_dict() == given
+    assert "CHANGED" not in again.nccl_env and "changed by a caller" not in again.notes
+    clean_env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
+                 and k not in ("WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS")}
+    fresh = subprocess.run([sys.executable, "-c", FRESH_PLAN, str(REPO / "configs/train/taehv.yaml")],
+                           cwd=REPO, env={**clean_env, "PYTHONPATH": str(REPO)}, capture_output=True,
+                           text=True, timeout=120)
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout) == json.loads(json.dumps(again.to_dict()))
     cpu = plan_for(2, 2, load_train({"batch": {"effective": 8, "per_gpu": 4}}), device="cpu")
     assert cpu.nccl_env == {} and cpu.precision == "fp32" and cpu.world_size == 4
 
 
-@pytest.mark.parametrize("source", ["prepared", "synthetic", "video"])
-def test_loader_workers_come_from_the_measured_rate_and_the_cores(real, source: str) -> None:
+# Workers that feed one GPU: ⌈55 clips/s (the trainer on an H100/H200) × 1.25 (headroom) / one worker's
+# clips/s⌉, with docs/benchmarks.md's per-worker rates at 8 workers: prepared shards 53.7, synthetic 3.75,
+# raw H.264 15.2 clips/s. At the shipped 12×480×720 clip: 68.75 / 53.7 → 2, / 3.75 → 19, / 15.2 → 5; at
+# 240 rows a clip is half the pixels: 34.4 / 53.7 → 1, / 3.75 → 10, / 15.2 → 3.
+@pytest.mark.parametrize(("source", "needed", "needed_at_half"), [("prepared", 2, 1), ("synthetic", 19, 10),
+                                                                   ("video", 5, 3)])
+def test_loader_workers_come_from_the_measured_rate_and_the_cores(real, source: str, needed: int,
+                                                                  needed_at_half: int) -> None:
     cfg = load_train(real.to_dict(), **{"data.source": source, "data.path": "data"})
-    clip = cfg.data.frames * cfg.data.height * cfg.data.width / REFERENCE_CLIP_ELEMENTS
-    needed = math.ceil(TRAIN_CLIPS_PER_GPU * clip * LOADER_HEADROOM / CLIPS_PER_WORKER[source])
+    half = load_train(cfg.to_dict(), **{"data.height": 240})
+    assert plan_for(1, 8, half, cpus_per_task=64).num_workers == needed_at_half
     roomy = plan_for(1, 8, cfg, cpus_per_task=needed + 1)
     assert roomy.num_workers == needed and roomy.notes == []  # one core drives the GPU, the rest load
     tight = plan_for(1, 8, cfg, cpus_per_task=needed)
@@ -188,3 +242,34 @@ def test_the_plan_prints_only_engine_figures_measured_with_this_model(real) -> N
     expected = f"zero2 {100 * (zero2 / allreduce - 1):+.0f} %, zero3 {100 * (zero3 / allreduce - 1):+.0f} %"
     assert reason.endswith(expected), reason
     assert "zero1" not in reason
+
+
+def test_ckpt_every_auto_saves_at_the_interval_that_loses_least(real) -> None:
+    """`intervals.ckpt_every: auto` (the shipped config). A save costs its time; an interruption costs the
+    work since the last save, half an interval on average; so per second of training the run loses
+    save_s / interval + interval / (2 × the job's mean time between interruptions). The plan's interval is
+    the one that loses least, at most an hour, found here by searching that loss, from the figures the plan
+    cites: Llama 3's 466 interruptions in 54 days on 16,384 GPUs, a save of 0.5 s on one H100, and a step
+    at 55 clips/s per GPU."""
+    assert real.intervals.ckpt_every == "auto"
+    per_gpu_s = 54 * 86400 * 16384 / 466  # GPU-seconds between interruptions
+    save_s, cap_s = 0.5, 3600.0
+    big = load_train(real.to_dict(), **{"batch.effective": 16384})
+    for gpus in (8, 64, 512, 4096, 16384):
+        between_s = per_gpu_s / gpus
+
+        def lost(interval: float, between_s: float = between_s) -> float:
+            return save_s / interval + interval / (2 * between_s)
+
+        low, high = 1.0, cap_s  # the loss falls, then rises: narrow down on its lowest point
+        for _ in range(200):
+            a, b = low + (high - low) / 3, high - (high - low) / 3
+            low, high = (low, b) if lost(a) < lost(b) else (a, high)
+        best = (low + high) / 2
+        plan = plan_for(gpus // 8, 8, big)
+        assert plan.ckpt_interval_s == pytest.approx(best, rel=1e-6), gpus
+        step_s = 16384 / (gpus * 55.0)  # the shipped clip is the reference clip
+        assert plan.ckpt_every == max(1, round(best / step_s)), gpus
+        assert "ckpt auto: ≈" in plan.table()
+    fixed = plan_for(1, 8, load_train(real.to_dict(), **{"intervals.ckpt_every": 500}))
+    assert (fixed.ckpt_every, fixed.ckpt_interval_s) == (500, None)

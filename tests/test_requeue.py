@@ -42,7 +42,7 @@ from tests.helpers import (
     wait_done,
     wait_for,
 )
-from tests.tasks import CountingTask, CrashAfterStart, StopAtFirstBoundary
+from tests.tasks import CountingTask, CrashAfterStart, SlowToLoad, StopAtFirstBoundary
 from tests.wandb_offline import offline_runs
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -261,6 +261,27 @@ def test_signals_while_the_task_starts_are_kept_for_the_first_step_boundary(tmp_
     assert ((start["event"], requeue["event"], requeue["reason"], requeue["step"])
             == ("start", "requeue", "timeout", 0))
     assert requeue["signal_to_saved_s"] >= 1.0  # timed from the signal's arrival, not from the task's start
+
+
+def test_on_slurm_a_signal_while_the_task_loads_is_kept_for_its_first_step_boundary(tmp_path: Path) -> None:
+    """The same on a Slurm job: the time-limit warning (USR2, as `--signal` sends it to the job's tasks)
+    reaches the rank while its pickle still loads; the task saves at its first step boundary and the job
+    requeues itself, instead of ending FAILED by the signal's default action."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    cluster = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=10)
+    handle = submit(SlowToLoad(str(gate), 100, 0.1, steps_after_restart=3), cluster, "slow-start")
+    wait_for(lambda: (gate / "loading").exists(), 120, "the job's task to load")
+    subprocess.run(["scancel", "--signal=USR2", handle.job_id], check=True)
+    time.sleep(1.0)
+    (gate / "released").touch()
+    assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)
+    (requeue,) = events(handle, "requeue")
+    assert (requeue["reason"], requeue["by"], requeue["step"]) == ("timeout", "self", 0)
+    assert requeue["signal_to_saved_s"] >= 0.5  # timed from the signal's arrival, during the load
+    assert "caught SIGUSR2" in handle.tail(200)
+    assert sacct_states(handle) == ["REQUEUED", "COMPLETED"]
+    assert (Path(handle.run_dir) / "steps.txt").read_text().split() == ["1", "2", "3"]  # after the restart
 
 
 def test_a_sigterm_after_the_time_limit_warning_brings_the_save_deadline_closer(capsys) -> None:

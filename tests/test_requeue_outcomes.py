@@ -19,7 +19,8 @@ without its warning is tested beside the time-limit test in tests/test_requeue.p
   the run folder's lock; --force cancels (it saves) and takes over from the saved step;
 - `damaged`: an overwritten newest checkpoint (same size) is found by its checksum, moved aside once
   (rank 0 decides for both ranks) and the run resumes from the one before;
-- an executor folder made like `mktemp -d` (inside the sticky /tmp) runs.
+- an executor folder made like `mktemp -d` (inside the sticky /tmp) runs;
+- `limited`: a job with `max_requeues: 1` preempted twice: its third start is refused and it ends FAILED.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from taehv_slurm.executor import make_executor
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.requeue import NotRequeueableError, RequeueableTask
 from taehv_slurm.submission import RunBusyError, submit
-from tests.helpers import REPO, events, make_cluster, quick_train, wait_done, wait_for
+from tests.helpers import REPO, events, make_cluster, quick_train, rank_record, wait_done, wait_for
 from tests.tasks import CountingTask, NeverPolls, train_with_the_context
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -88,6 +89,7 @@ class Cases:
     busy: JobHandle
     mktemp_job: object
     mktemp_folder: Path
+    limited: JobHandle
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +115,14 @@ def cases(slurm_cluster, tmp_path_factory) -> Iterator[Cases]:
         busy=submit(CountingTask(3000), one(time_min=15), "busy"),
         mktemp_job=make_executor(one(), mktemp_folder).submit(os.getpid),
         mktemp_folder=mktemp_folder,
+        # paused at step 3 until preempted: it must still run when its test comes, late in the module
+        limited=submit(CountingTask(30, pause_at=3), one(time_min=30, max_requeues=1), "limited"),
     )
     try:
         yield found
     finally:
         ids = [h.job_id for h in (found.path_replaced, found.unreachable, found.no_scontrol,
-                                  found.never_polls, found.busy)]
+                                  found.never_polls, found.busy, found.limited)]
         subprocess.run(["scancel", *ids], capture_output=True)
         shutil.rmtree(mktemp_folder, ignore_errors=True)
 
@@ -298,3 +302,21 @@ def test_submit_refuses_callables_that_cannot_take_the_context(tmp_path: Path) -
                 and "ctx.step_boundary(step, save)" in message)
         assert "requeueable=False" in message
     assert not (tmp_path / "jobs").exists()  # refused before any folder was made
+
+
+def test_the_requeue_limit_stops_the_job_when_it_would_start_once_more(cases: Cases) -> None:
+    """`max_requeues: 1`: one restart of the job, for any reason; preempted a second time, it saves as
+    ever, but its next start is refused (`stopped`, the reason in `taehv status`) and it ends FAILED."""
+    handle = cases.limited
+    for attempt in (1, 2):  # preempt each attempt once it waits at its pause (step 3)
+        wait_for(lambda attempt=attempt: len(events(handle, "start")) == attempt
+                 and rank_record(handle, 0).get("restart") == attempt - 1
+                 and rank_record(handle, 0).get("step") == 3, 300, f"attempt {attempt} to train")
+        subprocess.run(["scontrol", "requeue", handle.job_id], check=True)
+        wait_for(lambda attempt=attempt: len(events(handle, "requeue")) == attempt, 120, "its requeue")
+    assert wait_done(handle.job_id, 300) == "FAILED", handle.tail(40)
+    assert [(e["reason"], e["by"]) for e in events(handle, "requeue")] == [("preempted", "slurm")] * 2
+    (stopped,) = events(handle, "stopped")
+    assert stopped["reason"] == "requeue limit reached: the job started 2 times (max_requeues=1)"
+    assert len(events(handle, "start")) == 2 and handle.summary()["note"] == stopped["reason"]
+    assert "[taehv] not starting: requeue limit reached" in handle.tail(100)

@@ -28,9 +28,9 @@ import pytest
 
 from taehv_slurm.executor import make_executor
 from taehv_slurm.runtime.checkpoint import Checkpointer, CheckpointError
-from taehv_slurm.security import UnsafePathError
+from taehv_slurm.security import UnsafePathError, check_safe_to_load
 from taehv_slurm.submission import submit
-from tests.helpers import LOCAL_TASK_ENV, make_cluster, wait_done
+from tests.helpers import LOCAL_TASK_ENV, REPO, make_cluster, wait_done
 from tests.security_helpers import TEST_USER, User, mode, one_line, unprivileged_user
 
 BACKTICKED = re.compile(r"`([^`]+)`")
@@ -283,6 +283,29 @@ print(json.dumps(out))
 """
 
 
+def test_folders_above_the_run_are_checked_as_written_and_with_links_resolved(tmp_path: Path) -> None:
+    """A folder everyone may write (no sticky bit) above the run folder is refused whether it lies on the
+    path as written (anyone could swap the link below it) or on the path the links resolve to (anyone
+    could swap the run folder itself); a path with neither loads."""
+    safe, open_dir = tmp_path / "safe", tmp_path / "open"
+    for folder in (safe / "real" / "run", open_dir / "inner" / "run"):
+        folder.mkdir(parents=True, mode=0o700)
+        (folder / "state.pt").write_bytes(b"x")
+        os.chmod(folder / "state.pt", 0o600)
+    os.chmod(open_dir, 0o777)
+    # written through safe folders only, lying below the open one
+    (safe / "link").symlink_to(open_dir / "inner")
+    # written through the open folder, lying in safe ones
+    (open_dir / "door").symlink_to(safe / "real")
+    for run in (safe / "link" / "run", open_dir / "door" / "run"):
+        with pytest.raises(UnsafePathError) as err:
+            check_safe_to_load(run / "state.pt", run)
+        assert one_line(str(err.value)) == (
+            f"refusing to load {run / 'state.pt'}: {open_dir} is writable by everyone without the sticky bit "
+            f"(mode 0777); run `chmod o-w {open_dir}` or move the run folder")
+    check_safe_to_load(safe / "real" / "run" / "state.pt", safe / "real" / "run")
+
+
 def test_checkpoint_load_refuses_writable_or_foreign_files(user: User) -> None:
     import torch
 
@@ -326,6 +349,13 @@ class _RunsCode:
         return os.mkdir, (self.path,)
 
 
+def documented_checkpoint_errors(checkpoints: Path) -> list[str]:
+    """docs/security.md's CheckpointError lines (a Python object; a damaged file), `$CK` as `checkpoints`."""
+    text = (REPO / "docs" / "security.md").read_text()
+    return [line.removeprefix("CheckpointError: ").replace("$CK", str(checkpoints))
+            for line in text.splitlines() if line.startswith("CheckpointError: ")]
+
+
 def test_checkpoints_load_weights_only_with_our_own_message(tmp_path: Path) -> None:
     import torch
 
@@ -344,10 +374,8 @@ def test_checkpoints_load_weights_only_with_our_own_message(tmp_path: Path) -> N
         ck.load(7)
     message = one_line(str(err.value))
     assert not marker.exists() and (folder / "state.pt").is_file()
-    assert message == (f"cannot load checkpoint {folder}: state.pt holds a Python object (posix.mkdir), "
-                       "not only tensors and plain values, and such objects are never unpickled "
-                       "(they could run code); delete that "
-                       "folder to resume from an older one (it was not loaded)")
+    python_object, damaged = documented_checkpoint_errors(tmp_path / "ck")  # docs/security.md's lines
+    assert message == python_object
     for damage in (b"not a checkpoint", (folder / "state.pt").read_bytes()[:200], b""):
         (folder / "state.pt").write_bytes(damage)
         with pytest.raises(CheckpointError) as err:
@@ -355,6 +383,14 @@ def test_checkpoints_load_weights_only_with_our_own_message(tmp_path: Path) -> N
         message = one_line(str(err.value))  # the recorded size finds each before torch reads it
         assert "weights_only" not in message
         assert f"state.pt has {len(damage)} bytes, {len(planted)} were written" in message
+    # The same size, and the checksum rewritten with it: torch's load is what fails.
+    overwritten = (b"not a checkpoint " * len(planted))[:len(planted)]
+    (folder / "state.pt").write_bytes(overwritten)
+    meta["files"]["state.pt"] = {"bytes": len(overwritten), "sha256": hashlib.sha256(overwritten).hexdigest()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError) as err:
+        ck.load(7)
+    assert one_line(str(err.value)) == damaged
     # Resuming moves the unloadable checkpoint aside (never runs it, never deletes it)
     assert ck.load_latest() is None and not marker.exists()
     assert ([p.name.split(".")[0] for p in (tmp_path / "ck").iterdir() if ".damaged-" in p.name]

@@ -11,10 +11,12 @@ while the others do: one private run carrying three secrets (named like a secret
 
 from __future__ import annotations
 
+import fnmatch
 import grp
 import hashlib
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -303,24 +305,81 @@ def written(job_dir: Path) -> list[Path]:
     return [p for p in paths if not p.is_symlink()]
 
 
+def documented_modes() -> list[tuple[list[str], int, int]]:
+    """docs/security.md's table of modes: ([name patterns], mode, mode with a group) per row."""
+    text = (REPO / "docs" / "security.md").read_text()
+    table = text.split("### 1. Run folders and files are private", 1)[1].split("\n\n", 2)[1]
+    rows = []
+    for line in table.splitlines()[2:]:
+        what, private, shared = line.strip("|").split("|")[:3]
+        rows.append((re.findall(r"`([^`]+)`", what), int(re.search(r"`(\d{4})`", private).group(1), 8),
+                     int(re.search(r"`(\d{4})`", shared).group(1), 8)))
+    return rows
+
+
+def named_by(pattern: str, path: Path, run: Run) -> bool:
+    """Whether a pattern of the table names `path` (a job folder's file or folder)."""
+    if pattern in ("job_dir", "<run>/"):
+        return path == (run.job_dir if pattern == "job_dir" else Path(run.handle.run_dir))
+    if pattern.endswith("/"):
+        return path.is_dir() and fnmatch.fnmatch(path.name, pattern[:-1])
+    wildcard = pattern.replace("<rank>", "*")
+    if "/" in wildcard:
+        return path.is_file() and fnmatch.fnmatch(path.relative_to(run.job_dir).as_posix(), f"*{wildcard}")
+    return path.is_file() and fnmatch.fnmatch(path.name, wildcard if "*" in wildcard else f"*{wildcard}")
+
+
 def test_job_files_are_private_after_a_real_job(runs: Runs) -> None:
-    private = runs.private
-    finished(private)
-    for path in written(private.job_dir):
-        assert mode(path) == (0o700 if path.is_dir() else 0o600), f"{path}: {mode(path):04o}"
-    shared = runs.shared
-    finished(shared)
-    gid = grp.getgrnam(shared.group).gr_gid
-    for path in written(shared.job_dir):
-        # Group-readable at most, never group-writable, nothing for others; the group kept throughout.
-        if path.is_dir():
-            assert mode(path) == 0o2750, f"{path}: {mode(path):04o}"
-        else:
-            assert mode(path) in (0o640, 0o600), f"{path}: {mode(path):04o}"
-        assert path.stat().st_gid == gid, path
-    # What the job loads back (the trainer's checkpoint) loads with weights_only=True.
-    step, state, meta = Checkpointer(private.handle.run_dir / "checkpoints").load_latest()
-    assert step == 2 and meta["step"] == 2 and "rng" in state
+    """Every file and folder the jobs wrote (a private run, a run shared with a group) has exactly the mode
+    docs/security.md's table gives its kind, and the shared run's all belong to the group."""
+    table = documented_modes()
+    for run in (runs.private, runs.shared):
+        finished(run)
+        gid = grp.getgrnam(run.group).gr_gid if run.group else None
+        found = set()
+        for path in written(run.job_dir):
+            rows = [(private, shared) for patterns, private, shared in table
+                    if any(named_by(p, path, run) for p in patterns)]
+            assert len(rows) == 1, f"{path}: {len(rows)} rows of docs/security.md's table name it"
+            want = rows[0][1] if run.group else rows[0][0]
+            assert mode(path) == want, f"{path}: {mode(path):04o}, the table says {want:04o}"
+            assert gid is None or path.stat().st_gid == gid, path
+            found.add(path.name)
+        # every kind of file the table has a row for, among them the two the group must read to follow a run
+        assert {"registry.jsonl", "events.jsonl", "attempts.jsonl", "metrics.jsonl", "state.pt", "latest",
+                "0.json"} <= found, found
+    # What the job loads back (the trainer's checkpoint) is torch.load(weights_only=True)'s: only tensors and
+    # plain values, the same state the library's loader gives.
+    import torch
+
+    step, state, meta = Checkpointer(runs.private.handle.run_dir / "checkpoints").load_latest()
+    file = runs.private.handle.run_dir / "checkpoints" / f"step_{step:08d}" / "state.pt"
+    assert same(torch.load(file, map_location="cpu", weights_only=True), state)
+    assert step == 2 and meta["step"] == 2 and plain(state) and set(state["params"]) == set(state["exp_avg"])
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal at every depth, tensors bit for bit."""
+    import torch
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def plain(value: Any) -> bool:
+    """Only tensors and plain values (what weights_only loads), at any depth."""
+    import torch
+
+    if isinstance(value, dict):
+        return all(isinstance(k, str | int) and plain(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(plain(v) for v in value)
+    return value is None or isinstance(value, str | int | float | bool | torch.Tensor)
 
 
 def test_concurrent_jobs_get_their_own_rendezvous_port(runs: Runs) -> None:

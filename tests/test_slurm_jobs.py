@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import json
 import os
-import pickle
 import subprocess
 import sys
 import time
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from taehv_slurm import slurm
+from taehv_slurm.config import load_cluster, load_train
 from taehv_slurm.executor import SubmissionError, make_executor
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.submission import submit
-from taehv_slurm.trainer.task import TrainTask
 from taehv_slurm.training import submit_training
 from tests.helpers import (
     REPO,
@@ -24,7 +25,6 @@ from tests.helpers import (
     make_cluster,
     metrics,
     quick_train,
-    tiny_train,
     wait_done,
     wait_for,
 )
@@ -62,10 +62,52 @@ def test_sbatch_rejection_is_one_line_and_leaves_nothing(tmp_path: Path) -> None
             and list((tmp_path / "kept").iterdir()) == [])
 
 
-def test_train_task_pickles() -> None:
-    task = TrainTask(tiny_train().to_dict(), make_cluster(Path("runs")).runtime())
-    clone = pickle.loads(pickle.dumps(task))
-    assert clone.train == task.train and clone.runtime == task.runtime
+# Build and pickle a TrainTask as the submitting side does, and load it as a rank does, each in a process of
+# its own: which modules each imported, and which classes the pickle names.
+PICKLE_A_TRAIN_TASK = """
+import json, pickle, sys
+from taehv_slurm.config import load_cluster, load_train
+from taehv_slurm.trainer.task import TrainTask
+train, cluster = load_train(sys.argv[2]), load_cluster(sys.argv[3], job_dir="runs")
+with open(sys.argv[1], "wb") as f:
+    pickle.dump(TrainTask(train.to_dict(), cluster.runtime()), f)
+print(json.dumps({"torch": "torch" in sys.modules}))
+"""
+LOAD_A_TRAIN_TASK = """
+import dataclasses, json, pickle, sys
+named = []
+class Recording(pickle.Unpickler):
+    def find_class(self, module, name):
+        named.append([module, name])
+        return super().find_class(module, name)
+with open(sys.argv[1], "rb") as f:
+    task = Recording(f).load()
+print(json.dumps({"torch": "torch" in sys.modules, "named": named, "train": task.train,
+                  "runtime": dataclasses.asdict(task.runtime)}))
+"""
+
+
+def test_train_task_pickles_without_torch(tmp_path: Path) -> None:
+    """The task every rank runs holds plain values only: pickled where you submit and loaded on a rank, it
+    imports no torch either way, names only its own class and the runtime settings', and carries the
+    config and settings unchanged."""
+    train, cluster = REPO / "configs/train/tiny.yaml", REPO / "configs/cluster/testbed.yaml"
+    pickled = tmp_path / "task.pkl"
+    outputs = []
+    for code, args in ((PICKLE_A_TRAIN_TASK, (pickled, train, cluster)), (LOAD_A_TRAIN_TASK, (pickled,))):
+        done = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs.append(json.loads(done.stdout))
+    written, loaded = outputs
+    assert not written["torch"] and not loaded["torch"]
+    assert sorted(map(tuple, loaded["named"])) == [("taehv_slurm.config", "RuntimeSettings"),
+                                                   ("taehv_slurm.trainer.task", "TrainTask")]
+    assert loaded["train"] == json.loads(json.dumps(load_train(train).to_dict()))
+    runtime = load_cluster(cluster, job_dir="runs").runtime()
+    assert loaded["runtime"] == {**dataclasses.asdict(runtime), "compile_cache_dir": str(
+        tmp_path / "runs" / "compile-cache")}  # relative to where it was built
 
 
 def test_tiny_training_on_two_nodes(tmp_path: Path) -> None:
@@ -88,8 +130,10 @@ def test_tiny_training_on_two_nodes(tmp_path: Path) -> None:
 
 
 def test_cli_dry_run_imports_no_torch() -> None:
-    code = ("import sys, runpy; sys.argv=['jobs.submit','--nodes','8','--dry-run'];"
-            "\ntry:\n    runpy.run_module('jobs.submit', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+    # the shipped config's prepared data is not on this machine: its check is skipped, as on a login node
+    code = ("import sys, runpy; sys.argv=['jobs.submit','--nodes','8','--dry-run','--skip-data-checks'];"
+            "\ntry:\n    runpy.run_module('jobs.submit', run_name='__main__')\n"
+            "except SystemExit as done:\n    print('exit code', done.code)\n"
             "print('TORCH_LOADED' if 'torch' in sys.modules else 'NO_TORCH')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          timeout=60).stdout
@@ -97,7 +141,7 @@ def test_cli_dry_run_imports_no_torch() -> None:
             and "#SBATCH --gres=gpu:8" in out)
     assert ("world size 64" in out
             and "effective batch     128 = 64 ranks × 2; micro-batch 2, 1 per step" in out)
-    assert out.strip().endswith("NO_TORCH")
+    assert out.strip().splitlines()[-2:] == ["exit code 0", "NO_TORCH"], out[-2000:]
 
 
 def test_cli_submit_smoke_and_local_training(tmp_path: Path) -> None:
@@ -165,15 +209,23 @@ def test_a_running_job_is_past_its_end_time_only_once_its_limit_has_come(tmp_pat
     assert not slurm.past_its_end_time(cancelled, time.time() + 120)
 
 
-# A rank's SIGTERM handler, then 30 quick commands run with survive_term, as after a requeuehold.
+# A rank's SIGTERM handler, then 30 quick commands run with survive_term, as after a requeuehold, once the
+# storm has reached this process; it says how many SIGTERMs it caught while the commands ran.
 UNDER_A_SIGTERM_STORM = """
-import signal, sys
+import signal, sys, time
 from taehv_slurm import slurm
-signal.signal(signal.SIGTERM, lambda *_: None)
+from taehv_slurm.config import load_cluster, load_train
+caught = []
+signal.signal(signal.SIGTERM, lambda *_: caught.append(1))
 print("ready", flush=True)
 sys.stdin.readline()  # the storm has begun
+deadline = time.monotonic() + 30
+while not caught and time.monotonic() < deadline:
+    time.sleep(0.001)
+before = len(caught)
 answers = [slurm.run(["/bin/echo", "answered"], survive_term=True) for _ in range(30)]
 print(sum(not a.ok for a in answers), sorted({a.error for a in answers if not a.ok}), flush=True)
+print("caught while the commands ran:", len(caught) - before, flush=True)
 """
 
 
@@ -201,4 +253,6 @@ def test_a_sigterm_before_the_shells_trap_does_not_end_the_command() -> None:
             storm.kill()
             storm.wait()
         runner.kill()
-    assert out == "0 []\n", out
+    failed, caught = out.splitlines()
+    assert failed == "0 []", out
+    assert int(caught.removeprefix("caught while the commands ran: ")) > 0, out  # the storm was on

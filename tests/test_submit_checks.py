@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -146,30 +147,57 @@ def jobs_writing_under(folder: Path) -> list[str]:
     return [line.split()[0] for line in shown.stdout.splitlines() if str(folder) in line]
 
 
+def dirty_checkout(folder: Path) -> tuple[Path, str]:
+    """The package, its command shims and configs as a git work tree of their own with an uncommitted
+    change (as a user's checkout often is): (the tree, its HEAD commit)."""
+    for part in ("taehv_slurm", "jobs", "configs"):
+        shutil.copytree(REPO / part, folder / part, ignore=shutil.ignore_patterns("__pycache__"))
+    git = ["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the user's code"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    with open(folder / "taehv_slurm" / "__init__.py", "a") as f:
+        f.write("# a change the user has not committed\n")
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout
+    return folder, head.strip()
+
+
 def test_a_resume_shows_what_changed_refuses_another_model_and_records_each_attempt(tmp_path: Path) -> None:
+    """Run from a checkout with an uncommitted change: each attempt records that commit, dirty, and the
+    diff; a resume lists what changed and refuses another model shape or teacher."""
     job_dir = tmp_path / "runs"
-    first = local(job_dir, *SHORT, "--name", "r1")
+    checkout, head = dirty_checkout(tmp_path / "checkout")
+
+    def submit(*args: str) -> subprocess.CompletedProcess:
+        return cli("jobs.submit", "--local", "--set", f"job_dir={job_dir}", *SHORT, "--name", "r1", *args,
+                   cwd=checkout, env={"PYTHONPATH": str(checkout)})
+
+    first = submit(*TINY)
     assert first.returncode == 0, first.stdout + first.stderr
-    again = local(job_dir, *SHORT, "--set", "steps=6", "--set", "optim.lr=2e-3", "--name", "r1")
+    again = submit(*TINY, "--set", "steps=6", "--set", "optim.lr=2e-3")
     assert again.returncode == 0, again.stdout + again.stderr
     shown = [line for line in again.stdout.splitlines() if line.startswith("changed: ")]
     assert "\n".join(shown) == documented("resume-changed")
     note = "the lr schedule is recomputed for the new value from the resumed step on"
     before = snapshot(job_dir)
-    wider = local(job_dir, *SHORT, "--set", "steps=8", "--set", "model.encoder_width=32", "--name", "r1")
+    wider = submit(*TINY, "--set", "steps=8", "--set", "model.encoder_width=32")
     assert wider.returncode == 2 and wider.stderr.strip() == documented("resume-refused")
+    other_teacher = submit("--train", "configs/train/tiny.yaml", "--set", "steps=8")  # tiny.yaml's teacher
+    assert other_teacher.returncode == 2 and other_teacher.stderr.strip() == (
+        "error: resume: r1: teacher.kind: its checkpoint (step 6) was trained with 'none', the config now "
+        "says 'hunyuanvideo'; set it back (--set teacher.kind=none) or start a new run (another --name)")
     assert snapshot(job_dir) == before
     history = JobHandle.attach("r1", job_dir).config_history()
     assert list(history["step"]) == [0, 4] and list(history["optim.lr"]) == [1e-3, 2e-3]
     assert history["changed"].iloc[1] == f"steps: 4 → 6 ({note}); optim.lr: 0.001 → 0.002 ({note})"
-    for _, attempt in history.iterrows():  # provenance of both attempts
-        assert len(attempt["commit"]) == 40 and attempt["dirty"] in (True, False)
+    diff = subprocess.run(["git", "-C", str(checkout), "diff", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout
+    for _, attempt in history.iterrows():  # provenance of both attempts: the checkout's commit and change
+        assert (attempt["commit"], attempt["dirty"]) == (head, True)
+        assert (job_dir / "r1" / attempt["diff_file"]).read_text() == diff.strip()
         assert attempt["python"] and attempt["torch"] and attempt["submitit"] and attempt["hosts"]
-        if attempt["dirty"]:
-            assert (job_dir / "r1" / attempt["diff_file"]).read_text().startswith("diff --git")
     status = cli("jobs.status", "r1", "--job-dir", str(job_dir), "--format", "json")
     (row,) = json.loads(status.stdout)
-    assert row["commit"].split("+")[0] == history["commit"].iloc[-1][:8]
+    assert row["commit"] == f"{head[:8]}+dirty"
     # each job's row shows its own step, not the run's newest (the first job ended at 4 of its 4)
     rows = [json.loads(cli("jobs.status", str(job), "--job-dir", str(job_dir), "--format", "json").stdout)[0]
             for job in history["job_id"]]

@@ -31,6 +31,9 @@ def test_live_bar_summary_and_resubmitting_a_finished_run(tmp_path: Path) -> Non
     assert re.search(r"final: train PSNR [\d.]+ dB \(loss [\d.e-]+\), "
                      r"validation PSNR [\d.]+ dB at step 24", end), end
     assert re.search(r"steps: 24/24, \d+:\d\d wall, last [\d.]+ clips/s, requeued 0×", end), end
+    # goodput, as README shows it: one attempt, so no interruption part
+    assert re.search(r"\ngoodput: ETTR \d+ % of [\d.]+ node-h; first step after \d+ s \(start-up \d+ s\); "
+                     r"saves [\d.]+ s\r?\n", end), end
     run = tmp_path / "runs" / "bar"
     assert f"checkpoint:  {Path('runs/bar/checkpoints/step_00000024')}" in end
     assert "tensorboard --logdir runs/bar/tb" in end

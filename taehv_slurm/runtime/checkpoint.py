@@ -287,9 +287,11 @@ def _load_failure(err: BaseException) -> str:
     if found:  # a pickled Python object: rebuilding it could execute code, so it is refused
         return (f"state.pt holds a Python object ({found.group(1)}), not only tensors and plain values, "
                 "and such objects are never unpickled (they could run code)")
-    first = first_line(err).split(". ")[0]
+    # torch's reason, without its headline about weights_only (it would point at the unsafe retry)
+    unpickler = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+    reason = unpickler.group(1).strip() if unpickler else first_line(err).split(". ")[0]
     return ("state.pt is damaged or not a torch checkpoint: cut short, overwritten, or not written by this "
-            f"library ({first})")
+            f"library ({reason})")
 
 
 def _os_cause(err: BaseException) -> str:

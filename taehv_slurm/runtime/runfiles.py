@@ -27,17 +27,24 @@ class RunFileWarning(UserWarning):
 
 
 class EventLog:
-    """Append-only JSON lines; each line is one event dict with `event` and `time`."""
+    """Append-only JSON lines; each line is one event dict with `event` and `time`.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    A new file is owner-only, or group-readable where the cluster config shares runs with a group:
+    `group_readable` says which; None (in a job) reads it from the job's environment (TAEHV_SHARED_GROUP,
+    exported by its sbatch script), which the submitting side does not have.
+    """
+
+    def __init__(self, path: str | os.PathLike, group_readable: bool | None = None) -> None:
         self.path = Path(path)
+        self.group_readable = group_readable
 
     def write(self, event: str, **fields: Any) -> None:
         # Strict JSON for every reader: a NaN or infinity is written as null.
         fields = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in fields.items()}
         line = json.dumps({"event": event, "time": time.time(), **fields}, default=str, allow_nan=False)
-        # Owner-only, or group-readable where the cluster config shares runs with a group.
-        mode = 0o640 if os.environ.get("TAEHV_SHARED_GROUP") else 0o600
+        shared = (self.group_readable if self.group_readable is not None
+                  else bool(os.environ.get("TAEHV_SHARED_GROUP")))
+        mode = 0o640 if shared else 0o600
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, mode)
         try:
             stat = os.fstat(fd)

@@ -11,8 +11,8 @@ attempt writes an `offline-run-*-<id>` folder under `<run>/wandb/`. W&B logs thr
 its own, which Slurm's SIGTERM at a preemption ends with the job's other processes, and the lines it had
 not sent are lost (on the testbed a preempted attempt's offline file stays empty). So every attempt
 first logs again what metrics.jsonl kept from before it (`Trackers.replay`): the run's W&B history is
-whole once an attempt finishes. A tracker that fails is dropped for the attempt with one warning; it
-never stops training or its save.
+whole once an attempt finishes. A tracker that fails, as it starts or later, is dropped for the attempt
+with one warning; it never stops training or its save.
 
 MLflow logs to `tracking.mlflow_tracking_uri` (or $MLFLOW_TRACKING_URI), else to a file store in
 `<run>/mlruns` (`mlflow ui --backend-store-uri <run>/mlruns`); the run is marked FINISHED when training
@@ -45,20 +45,30 @@ class Trackers:
         self.path = Path(run_dir) / IDS_FILE
         ids = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.wandb = self.mlflow = None
+        # A tracker that cannot start (its server unreachable, its package missing) is dropped like one
+        # that fails later: training goes on without it.
         if cfg.wandb:
-            import wandb
-
-            os.environ.setdefault("WANDB_SILENT", "true")  # the rank log stays ours
-            ids.setdefault("wandb", uuid.uuid4().hex[:8])  # W&B's own ids look the same
-            self.wandb = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, id=ids["wandb"],
-                                    resume="allow", name=name, dir=str(run_dir), mode=cfg.wandb_mode,
-                                    config=dict(config))
+            self._guarded("wandb", lambda: self._start_wandb(cfg, Path(run_dir), name, config, ids))
         if cfg.mlflow:
-            self.mlflow = _MlflowRun(cfg, Path(run_dir), name, config, ids.get("mlflow"))
-            ids["mlflow"] = self.mlflow.run_id
-            ids["mlflow_tracking_uri"] = self.mlflow.uri
+            self._guarded("mlflow", lambda: self._start_mlflow(cfg, Path(run_dir), name, config, ids))
         if ids:
             write_text_atomic(self.path, json.dumps(ids, indent=1) + "\n", 0o600)
+
+    def _start_wandb(self, cfg: TrackingConfig, run_dir: Path, name: str, config: Mapping[str, Any],
+                     ids: dict[str, Any]) -> None:
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")  # the rank log stays ours
+        ids.setdefault("wandb", uuid.uuid4().hex[:8])  # W&B's own ids look the same
+        self.wandb = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, id=ids["wandb"],
+                                resume="allow", name=name, dir=str(run_dir), mode=cfg.wandb_mode,
+                                config=dict(config))
+
+    def _start_mlflow(self, cfg: TrackingConfig, run_dir: Path, name: str, config: Mapping[str, Any],
+                      ids: dict[str, Any]) -> None:
+        self.mlflow = _MlflowRun(cfg, run_dir, name, config, ids.get("mlflow"))
+        ids["mlflow"] = self.mlflow.run_id
+        ids["mlflow_tracking_uri"] = self.mlflow.uri
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """`values` by tag ("train/loss", "val/psnr", "lr", ...), at optimizer step `step`."""

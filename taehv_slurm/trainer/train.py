@@ -232,9 +232,10 @@ class Trainer:
                 log.warning(data_wait_advice(last["data_wait"], plan, cfg.data.source))
                 window.warned = True
         if step % plan.val_every == 0 or step == cfg.steps:
-            self.metrics.write(step, self.validate(), prefix="val")
-            if cfg.tracking.sample_frames:
-                self.metrics.write_image(step, "val/sample", self.sample_image())
+            with self.ctx.section("validate"):  # the watchdog times a validation apart from a step
+                self.metrics.write(step, self.validate(), prefix="val")
+                if cfg.tracking.sample_frames:
+                    self.metrics.write_image(step, "val/sample", self.sample_image())
         # Not while steps are being skipped: a rollback needs the checkpoints from before them.
         if step % plan.ckpt_every == 0 and step < cfg.steps and not self.guard.consecutive:
             self.save(step, blocking=not cfg.intervals.async_checkpoint)
@@ -327,7 +328,8 @@ class Trainer:
         self.step_samples.clear()
         for size in sizes:
             began, cpu = time.perf_counter(), time.thread_time()
-            batch = next(self.stream)
+            with self.ctx.section("data"):  # a rank stuck reading is named as such by a hang's verdict
+                batch = next(self.stream)
             waited = time.perf_counter() - began
             window.data_wait_s += waited
             if clock is not None:
@@ -384,6 +386,10 @@ class Trainer:
     def save(self, step: int, blocking: bool) -> None:
         """Every rank takes part (ZeRO-3 gathers; RNG states are gathered); rank 0 writes. A state with a
         non-finite value is never written: every rank stops (the last checkpoint stays `latest`)."""
+        with self.ctx.section("save"):  # timed by the watchdog as a save, not as a step
+            self._save(step, blocking)
+
+    def _save(self, step: int, blocking: bool) -> None:
         start = time.perf_counter()
         state = self.engine.full_state()
         rngs: list[Any] = [None] * self.env.world_size
