@@ -1,14 +1,14 @@
-"""One fault schedule, inflicted from outside on two runs side by side: restarts inside the allocation (one
-spare node) against requeues (restart_in_allocation off, no spare), each run's ETTR from `taehv status
---goodput`.
+"""One fault schedule, inflicted from outside on three runs side by side: restarts inside the allocation
+(one spare node held, or shrinking to one node) against requeues (restart_in_allocation off), each run's
+ETTR from `taehv status --goodput`.
 
     . .testbed/env.sh       # 3 nodes or more: python -m tests.slurm_testbed start --nodes 3
     python bench/fault_schedule.py [--minutes 22] [--out bench/results/]
 
-Both runs train the tiny config (32×32 clips, no teacher) on 2 nodes × 1 rank. The schedule, in minutes
-after both train: a preemption (`scontrol requeue`) at 4, every rank of the second node SIGKILLed at 9, one
+Every run trains the tiny config (32×32 clips, no teacher) on 2 nodes × 1 rank. The schedule, in minutes
+after all train: a preemption (`scontrol requeue`) at 4, every rank of the second node SIGKILLed at 9, one
 rank SIGSTOPped at 14 (the hang threshold: hang_floor_s 30 s), a rank slowed (stopped 0.3 s of every 0.6 s)
-for a minute at 18; both are cancelled at --minutes. Per run: ETTR, node-seconds allocated and productive,
+for a minute at 18; all are cancelled at --minutes. Per run: ETTR, node-seconds allocated and productive,
 and what the faults cost: work lost, time in the queue (this testbed's queue is idle: a requeue waits ~10 s
 here, on a busy cluster the wait is the queue's; bench/goodput_model.py takes it as an input), restarts inside
 the allocation, time to the first step again.
@@ -35,7 +35,9 @@ from bench._record import code_version, write_results  # noqa: E402
 TRAIN = {"steps": 1_000_000, "teacher.kind": "none", "data.height": 32, "data.width": 32,
          "intervals.log_every": 5, "intervals.ckpt_every": 20, "intervals.val_every": 1_000_000}
 CLUSTER = {"nodes": 2, "gpus_per_node": 1, "time_min": 120, "hang_floor_s": 30, "heartbeat_s": 3}
-RUNS = {"restart": {"spare_nodes": 1}, "requeue": {"restart_in_allocation": "false"}}
+# restarts inside the allocation with a spare node held, or shrinking to one node; against requeues
+RUNS = {"spare": {"spare_nodes": 1}, "shrink": {"min_nodes": 1},
+        "requeue": {"restart_in_allocation": "false"}}
 SCHEDULE = ((4, "preempt"), (9, "kill_node"), (14, "stop_rank"), (18, "slow_rank"))
 
 

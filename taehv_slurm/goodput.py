@@ -42,17 +42,21 @@ COLUMNS = ["attempt", "launch", "began", "ended", "end", "nodes", "allocated_nod
 
 
 def attempt_rows(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]], nodes: int,
-                 final_step: int | None,
-                 accounting: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+                 final_step: int | None, accounting: Sequence[Mapping[str, Any]] = (),
+                 ranks_per_node: int | None = None) -> list[dict[str, Any]]:
     """One row per attempt of one job (see the module docstring), `began` and `ended` in epoch seconds.
-    `final_step`: the run's latest checkpoint; `accounting`: sacct's records of the job
-    (`slurm.sacct_records`; empty where there are none)."""
+    `nodes`: the nodes the job holds (spares included); `final_step`: the run's latest checkpoint;
+    `accounting`: sacct's records of the job (`slurm.sacct_records`; empty where there are none);
+    `ranks_per_node`: productive node-seconds count the nodes an attempt trained on (its world size over
+    this), not its spares nor a failed node it left out; None: all `nodes`."""
     starts = [e for e in events if e["event"] == "start"]
     rows = []
     for i, start in enumerate(starts):
         later = starts[i + 1] if i + 1 < len(starts) else None
         kept_until = later["step"] if later is not None else (final_step or start["step"])
-        rows.append(_attempt_row(start, later, events, train_rows, nodes, kept_until))
+        trained = (int(start["world_size"]) / ranks_per_node if ranks_per_node and start.get("world_size")
+                   else nodes)
+        rows.append(_attempt_row(start, later, events, train_rows, nodes, kept_until, trained))
     _share_allocations(rows, starts, accounting)
     _waits(rows, events, accounting)
     return rows
@@ -90,7 +94,7 @@ def frame_of(rows: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
 
 def _attempt_row(start: Mapping[str, Any], later: Mapping[str, Any] | None,
                  events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mapping[str, Any]], nodes: int,
-                 kept_until: int) -> dict[str, Any]:
+                 kept_until: int, trained_nodes: float) -> dict[str, Any]:
     """The goodput of the attempt that began with `start` and lasted until `later` began (or until now)."""
     began = float(start.get("began") or start["time"])
     following = float(later.get("began") or later["time"]) if later is not None else math.inf
@@ -105,7 +109,8 @@ def _attempt_row(start: Mapping[str, Any], later: Mapping[str, Any] | None,
     steps_kept = max(0, kept_until - start["step"])
     lost = max(0, reached - kept_until)
     node_s = (ended - began) * nodes  # the allocation's own figure replaces it where there is accounting
-    productive = 0.0 if not steps_kept else steps_kept * step_s * nodes if step_s is not None else None
+    productive = (0.0 if not steps_kept else steps_kept * step_s * trained_nodes if step_s is not None
+                  else None)
     end = "running"
     if ends:
         end = ends[0]["event"] + (f" ({ends[0]['reason']})" if ends[0].get("reason") else "")

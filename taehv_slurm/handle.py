@@ -339,8 +339,9 @@ class JobHandle:
         accounting = self._accounting_records() if self.backend.has_accounting else []
         final = Checkpointer(self.run_dir / "checkpoints").latest_step()
         spares = int((self.record.get("cluster") or {}).get("spare_nodes") or 0)  # held, idle unless needed
-        nodes = int(self.record.get("nodes") or 1) + spares
-        return attempt_rows(self.events(), rows, nodes, final, accounting)
+        nodes = int(self.record.get("nodes") or 1)
+        ranks_per_node = max(1, int(self.record.get("world_size") or nodes) // nodes)
+        return attempt_rows(self.events(), rows, nodes + spares, final, accounting, ranks_per_node)
 
     def config_history(self) -> pd.DataFrame:
         """One row per attempt of this run (every job of its run folder): job id, restart, step it started
