@@ -7,7 +7,8 @@
 #
 # cluster: the nodes get their own GPUs (one test); scaling: bench/slurm_scaling.py over 1x1 1x2 2x1 2xG;
 # engines: ZeRO-1/2/3 at the largest shape; tests / faults: tests/test_gpu_cluster.py, without / with the
-# faults. Wheels missing from the machine's Python may be carried in .whl/ (installed into /tmp/site).
+# faults (as many at once as a node has GPUs; FAULTS="killed or timed" picks some, as pytest's -k). Wheels
+# missing from the machine's Python may be carried in .whl/ (installed into /tmp/site).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1; shift; mkdir -p "$out"
@@ -37,7 +38,7 @@ for part in "$@"; do
     engines) timeout "${LIMIT:-400}" python3 bench/slurm_scaling.py --shapes "2x$per_node" --skip-shapes \
                --engines zero1,zero2,zero3 --out "$out/" 2>&1 | tee "$out/engines.log" | tail -12 ;;
     tests) tests -k "not own_share and not fault" ;;
-    faults) tests -k fault ;;
+    faults) tests -k "${FAULTS:-fault}" -n "$per_node" ;;   # a fault run takes 1 GPU of a node: per_node at once
   esac
 done
 # the rank logs and Slurm's own, for what the figures do not show

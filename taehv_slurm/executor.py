@@ -20,7 +20,7 @@ import submitit
 
 from taehv_slurm.backends import backend_named
 from taehv_slurm.config import ClusterConfig
-from taehv_slurm.machine import gpus_here
+from taehv_slurm.machine import gpus_here, visible_gpus
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.bytecode import COMPILE_CACHE_ENV
 from taehv_slurm.runtime.distenv import INHERITED_LAUNCHER_VARS
@@ -94,7 +94,7 @@ class LocalExecutor(submitit.LocalExecutor):
             "SUBMITIT_LOCAL_SIGNAL_DELAY_S": str(int(self.parameters.get("signal_delay_s", 30))),
             "SUBMITIT_LOCAL_NODEID": "0",
             "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
-            "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(gpus)),
+            "CUDA_VISIBLE_DEVICES": ",".join(visible_gpus()[:gpus]),  # the user's CUDA_VISIBLE_DEVICES holds
             "TAEHV_LOCAL_GRACE_S": str(self.grace_s),
             "TAEHV_LOCAL_MAX_RESTARTS": str(self.max_restarts),
             "TAEHV_LOCAL_STARTED": started,

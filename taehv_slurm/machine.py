@@ -4,13 +4,30 @@ plan and checks, which run where the jobs will."""
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 
+def visible_gpus(environ: Mapping[str, str] | None = None, dev: Path = Path("/dev")) -> list[str]:
+    """The NVIDIA GPUs this process may use, as CUDA numbers them for it: CUDA_VISIBLE_DEVICES's entries
+    where it is set (up to the first negative one, where CUDA stops), else every GPU of the driver's
+    device files (no torch import on the submit path)."""
+    given = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if given is None:
+        return sorted((p.name[len("nvidia"):] for p in dev.glob("nvidia[0-9]*")), key=int)
+    visible = []
+    for entry in filter(None, (e.strip() for e in given.split(","))):
+        if entry.startswith("-"):
+            break
+        visible.append(entry)
+    return visible
+
+
 def gpus_here() -> int:
-    """NVIDIA GPUs on this machine, from the driver's device files (no torch import on the submit path)."""
-    return len(list(Path("/dev").glob("nvidia[0-9]*")))
+    """How many GPUs this process may use on this machine (`visible_gpus`)."""
+    return len(visible_gpus())
 
 
 @functools.lru_cache(maxsize=1)

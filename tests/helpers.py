@@ -159,13 +159,11 @@ def final_state(run_dir: Path) -> tuple[int, dict, dict]:
 
 
 def job_state(job_id: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
-                         text=True).stdout.strip()
-    if out:
-        return out
-    out = subprocess.run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "State"], capture_output=True,
-                         text=True).stdout
-    return out.strip().splitlines()[-1].split()[0] if out.strip() else "UNKNOWN"
+    """The library's answer (squeue with every state, then accounting: a cluster without accounting shows a
+    job's end only in squeue, for MinJobAge), or UNKNOWN."""
+    from taehv_slurm.slurm import job_state as state
+
+    return state(job_id) or "UNKNOWN"
 
 
 def wait_done(job_id: str, timeout_s: float) -> str:

@@ -148,3 +148,17 @@ def test_a_rank_that_dies_takes_the_job_down(tmp_path: Path, rank0_raises: bool)
     handle = submit(DiesOnRankOne(rank0_raises), cluster, "dies")
     assert handle.wait(timeout_s=120, progress=False) == "FAILED"
     assert handle.error == "rank 1 exited with code 7"  # the cause, not rank 0's consequence
+
+
+def test_the_gpus_a_local_run_may_use_are_those_cuda_visible_devices_names(tmp_path: Path) -> None:
+    """`taehv submit --local` on a shared machine with CUDA_VISIBLE_DEVICES=1,3 runs on GPUs 1 and 3 (it used
+    to set 0,1: another user's GPUs); unset, every GPU of the driver's device files, in CUDA's order."""
+    from taehv_slurm.machine import visible_gpus
+
+    for name in ("nvidia0", "nvidia1", "nvidia10", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"):
+        (tmp_path / name).touch()
+    assert visible_gpus({}, tmp_path) == ["0", "1", "2", "3", "10"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "1,3"}, tmp_path) == ["1", "3"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-5e1c,2"}, tmp_path) == ["GPU-5e1c", "2"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,-1,3"}, tmp_path) == ["2"]  # CUDA stops at -1
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, tmp_path) == []

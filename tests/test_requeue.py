@@ -106,6 +106,28 @@ def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
     assert 0 < goodput.attrs["ettr"] < 1
 
 
+def test_a_preemption_that_also_signals_the_loader_workers_is_saved_not_a_failure(tmp_path: Path) -> None:
+    """Slurm's proctrack/cgroup signals every process of a job step, a rank's data-loader workers with it
+    (the testbed's proctrack/linuxproc reaches only the ranks). On 4 H200s a `scontrol requeue` so ended
+    each rank in "DataLoader worker exited unexpectedly", a failure, before it could save. Here each rank's
+    workers get SIGTERM with the requeue: the ranks save, the run resumes, every step is trained once."""
+    cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=1, time_min=30)
+    handle = submit_training(cluster, quick_train(steps=24, **EXACT, **{"data.num_workers": 2}), "workers")[0]
+    wait_for(lambda: last_step(handle.run_dir) >= 4, 600, "step 4")
+    ranks = [rank_record(handle, rank)["pid"] for rank in (0, 1)]
+    children = subprocess.run(["pgrep", "-P", ",".join(map(str, ranks))], capture_output=True, text=True)
+    workers = [int(pid) for pid in children.stdout.split()]
+    assert len(workers) >= 4, workers  # 2 loader workers a rank
+    requeue = subprocess.Popen(["scontrol", "requeue", handle.job_id])
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
+    assert requeue.wait(60) == 0
+    assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
+    assert events(handle, "failure") == []
+    assert [e["reason"] for e in events(handle, "requeue")] == ["preempted"]
+    assert trained_steps(handle.run_dir) == list(range(1, 25))
+
+
 def assert_one_tracker_run(run_dir: Path, attempts: int, side: int) -> None:
     """One MLflow run for the training run, with every step of metrics.jsonl once; one W&B run id for every
     attempt, and the last attempt's W&B history has every step once too (a preempted attempt's W&B lines

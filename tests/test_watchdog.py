@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from taehv_slurm.runtime.ranks import RankFile
 from taehv_slurm.runtime.watchdog import SectionClock, Verdict, Watchdog, WatchdogSettings
 from tests.helpers import quick_train, wait_for
@@ -59,6 +61,35 @@ def test_a_rank_stuck_reading_data_is_named_by_the_ranks_waiting_in_their_step(t
     assert verdict.why[2].startswith("stuck in data at step 7 for ") and verdict.timeout_s == 0.3
     line = (tmp_path / "hang-77-0" / "verdict.txt").read_text()
     assert line.startswith(f"hang: rank 2 on {verdict.hosts[0]} stuck in data at step 7 for "), line
+
+
+@pytest.mark.parametrize("frozen", [1, 0])
+def test_a_frozen_peer_is_a_hang_past_the_floor_even_in_an_uncalibrated_section(tmp_path: Path,
+                                                                                  frozen: int) -> None:
+    """Three ranks in their first save (uncalibrated: 30 s); rank `frozen` stopped refreshing its record (a
+    SIGSTOPped process): the others name it once it is stale and they have waited the floor, not 30 s.
+    Rank 0 reads every record and the others only rank 0's, so a frozen rank 0 is found by the others."""
+    settings = WatchdogSettings(interval_s=0.05, floor_s=0.3, factor=5.0, uncalibrated_s=30.0)
+    found: list[Verdict] = []
+    dogs, records = [], {}
+    for rank in range(3):
+        records[rank] = RankFile(tmp_path, "78", 0, rank, 3)
+        if rank != frozen:
+            dogs.append(Watchdog(tmp_path, records[rank], settings, lambda verdict, _: found.append(verdict)))
+    records[frozen].enter("step", 4)
+    records[frozen].started()  # written once, never again: its process is stopped
+    try:
+        for dog in dogs:
+            dog.start()
+            dog.enter("save", 4)
+        (verdict,) = wait_for(lambda: found, 15, "the frozen rank to be named")
+        found_after = time.time() - records[frozen].record.time
+    finally:
+        for dog in dogs:
+            dog.stop(0)
+    assert [r["rank"] for r in verdict.culprits] == [frozen] and verdict.section == "save"
+    assert verdict.why[frozen].startswith("stopped (no sign of life for ")
+    assert settings.stale_after_s < found_after < settings.stale_after_s + 3
 
 
 def test_a_training_rank_marks_every_section(tmp_path: Path) -> None:

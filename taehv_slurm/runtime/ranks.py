@@ -87,13 +87,14 @@ class RankFile:
         self.write()
 
 
-def read_ranks(run_dir: str | os.PathLike, job_id: str, restart: int,
-               launch: int = 0) -> list[dict[str, Any]]:
+def read_ranks(run_dir: str | os.PathLike, job_id: str, restart: int, launch: int = 0,
+               rank: int | None = None) -> list[dict[str, Any]]:
     """The records of job `job_id`'s attempt `restart`, its job step `launch`, by rank (records of other
-    attempts and steps are left out)."""
+    attempts and steps are left out); only `rank`'s where given."""
     folder = Path(run_dir) / RANKS_DIR
     records = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+    paths = [folder / f"{rank}.json"] if rank is not None else sorted(folder.glob("*.json"))
+    for path in paths if folder.is_dir() else ():
         try:
             record = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):

@@ -27,6 +27,15 @@ def hold() -> None:
         signal.signal(signum, _hold)
 
 
+def ignore_in_worker(_worker_id: int = 0) -> None:
+    """A data-loader worker's `worker_init_fn`: USR2 and SIGTERM ignored. Slurm signals every process of a
+    job step (proctrack/cgroup), a rank's loader workers too; at torch's worker handler they die, and the
+    rank sees "DataLoader worker exited unexpectedly" instead of the preemption it can save for. The rank
+    acts on the signal, and its workers end with it."""
+    for signum in WATCHED:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def take() -> list[tuple[int, float]]:
     """The (signal, arrival time) pairs held so far, oldest first; they are handed over once."""
     held = list(_held)

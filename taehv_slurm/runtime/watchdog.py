@@ -5,7 +5,9 @@ asks whether its main thread has stayed in one section longer than that section'
 calibrated from what this run has seen: max(`floor_s`, `factor` × the slowest time seen in the section),
 ignoring each section's first `warmup` occurrences (compilation, cold caches), and `uncalibrated_s`
 (generous) until `calibrate_after` more have been seen. A collective stays under the process group's own
-timeout (long, for rendezvous and saves); this watchdog is what makes a stuck training step short.
+timeout (long, for rendezvous and saves); this watchdog is what makes a stuck training step short. A
+peer whose record is no longer refreshed is frozen, which no calibration excuses: past `floor_s` in any
+section, a wait on it is a hang (a first save's gather on a stopped rank is named as fast as a step's).
 
 When a section times out, the rank reads every rank's record and names the culprits (`verdict`):
  - a record not refreshed for `stale_after_s`: that process is frozen (SIGSTOP, a hung driver, a dead
@@ -155,9 +157,23 @@ class Watchdog:
             record = self.rank_file.record
             waited = time.time() - record.since
             timeout = self.clock.timeout(record.section)
+            if waited > self.settings.floor_s and timeout > self.settings.floor_s and self._peer_frozen():
+                timeout = self.settings.floor_s
             if self.settings.enabled and waited > timeout and not self._acted:
                 self._acted = True
                 self._hang(record.section, waited, timeout)
+
+    def _peer_frozen(self) -> bool:
+        """A peer whose record is no longer refreshed is frozen (stopped, a hung driver, a lost node): this
+        rank's wait is a hang however new its section (a first save's gather waits on it as a step does).
+        Rank 0 reads every record and the others rank 0's, so a check costs 2 × world-size reads, not
+        world size squared; a frozen rank 0 is seen by all."""
+        if not self.settings.enabled:
+            return False
+        me = self.rank_file.record
+        records = read_ranks(self.run_dir, me.job_id, me.restart, me.launch, None if me.rank == 0 else 0)
+        oldest = min((float(r["time"]) for r in records if r["rank"] != me.rank), default=time.time())
+        return time.time() - oldest > self.settings.stale_after_s
 
     def _dump_if_asked(self) -> None:
         rank = self.rank_file.record.rank

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from taehv_slurm.config import VIDEO_EXTENSIONS
+from taehv_slurm.runtime.signals import ignore_in_worker
 
 log = logging.getLogger(__name__)
 
@@ -481,5 +482,5 @@ def microbatches(source: Dataset, order: GlobalOrder, start_step: int, effective
     sampler = _StepBatchSampler(order, start_step, effective_batch, first, sizes)
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers > 0 else {}
     loader = DataLoader(source, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_clips,
-                        pin_memory=pin_memory, **extra)
+                        pin_memory=pin_memory, worker_init_fn=ignore_in_worker, **extra)
     yield from loader

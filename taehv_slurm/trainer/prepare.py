@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from taehv_slurm.config import RuntimeSettings
 from taehv_slurm.messages import one_line, rank_logger
+from taehv_slurm.runtime.signals import ignore_in_worker
 from taehv_slurm.trainer.manifest import Manifest, open_clips
 from taehv_slurm.trainer.shapes import SPATIAL_FACTOR, TIME_FACTOR
 from taehv_slurm.trainer.shards import (
@@ -223,7 +224,8 @@ class _Worker:
         if workers is None:
             workers = max(1, min(8, cpus - 1)) if self.device.type == "cuda" else 0
         loader = DataLoader(_WindowReader(clips), batch_size=None, sampler=windows, num_workers=workers,
-                            pin_memory=self.device.type == "cuda", prefetch_factor=4 if workers else None)
+                            pin_memory=self.device.type == "cuda", prefetch_factor=4 if workers else None,
+                            worker_init_fn=ignore_in_worker)
         return iter(loader)
 
     def _make_shard(self, manifest: Manifest, shard: int, stream: Iterator[dict[str, Any]]) -> bool:
