@@ -178,7 +178,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.smoke:
-        args.cpus, args.fault_step, args.fault_s, args.timeout = 1, 6, 15, 600
+        args.cpus, args.fault_step, args.fault_s, args.timeout = 1, 16, 15, 600  # past the warm-up
     elif not args.data:
         p.error("--data PREPARED is needed on GPUs (or --smoke)")
     work = Path(args.work)

@@ -37,6 +37,10 @@ FIGURES = ("step_s", "wait_s", "compute_s", "data_s", "stall_s")  # per rank and
 # few ms; CPU ranks share the host's cores with each other and the loader, and a window's lateness varied by
 # up to 60 % on the 2-core CI testbed with nothing slowed.
 DEFAULT_MARGIN = {"cuda": 0.1, "cpu": 0.5}
+# The first steps of every start are not judged: compilation, CUDA-graph capture and cuDNN's autotuning make
+# them uneven across ranks (2 H200s through Slurm, 2-step windows: rank 0 named "GPU"-slow at steps 3-9 of
+# most starts, no longer slow by steps 7-19).
+WARMUP_STEPS = 10
 # Test-only: "RANK:SECONDS" gives rank RANK that much more compute per step (tests/test_stragglers.py and
 # the GPU check of a slow GPU being named; never set it in a real run).
 EXTRA_COMPUTE_ENV = "TAEHV_TEST_EXTRA_COMPUTE"
@@ -225,14 +229,15 @@ class SlowRanks:
     streak: dict[int | None, int] = field(default_factory=dict)  # rank (None: link) → late windows in a row
     named: dict[int | None, Latest] = field(default_factory=dict)  # named slow now, as last seen
 
-    def observe(self, figures: Sequence[Sequence[float]]) -> tuple[dict[str, Any], list[Latest],
-                                                                   list[int | None]]:
+    def observe(self, figures: Sequence[Sequence[float]], judged: bool = True
+                ) -> tuple[dict[str, Any], list[Latest], list[int | None]]:
         """Every rank's FIGURES means of one window (the same list on every rank) → (the log line's fields,
-        newly named, no longer slow: a rank, or None for the link)."""
+        newly named, no longer slow: a rank, or None for the link). A window not `judged` (the warm-up)
+        gives its timings only."""
         step, wait = (statistics.median(f[i] for f in figures) for i in (0, 1))
         fields: dict[str, Any] = {"compute_s": statistics.median(f[2] for f in figures),
                                   "arrive_s": step - wait, "wait_s": wait}
-        latest = latest_rank(figures, self.hosts, self.margin, self.compute_name)
+        latest = latest_rank(figures, self.hosts, self.margin, self.compute_name) if judged else None
         if latest is None:
             return fields, [], []
         # only the rank that arrives last can be late: any other streak ends

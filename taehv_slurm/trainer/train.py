@@ -51,7 +51,7 @@ from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training, loa
 from taehv_slurm.trainer.rng import get_rng_state, seed_all, set_rng_state
 from taehv_slurm.trainer.schedule import lr_at
 from taehv_slurm.trainer.speed import mfu, model_flops_per_clip, peak_flops, use_compile_cache
-from taehv_slurm.trainer.stragglers import DEFAULT_MARGIN, SlowRanks, StepClock
+from taehv_slurm.trainer.stragglers import DEFAULT_MARGIN, WARMUP_STEPS, SlowRanks, StepClock
 from taehv_slurm.trainer.teacher import load_teacher, to_unit
 from taehv_slurm.trainer.trackers import Trackers
 
@@ -170,7 +170,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         cfg, plan, env, ctx = self.cfg, self.plan, self.env, self.ctx
         self.build()
-        step = resumed_at = self.resume()
+        step = self.resumed_at = self.resume()
         ctx.started(step, config=cfg.to_dict(), engine=plan.engine, effective_batch=plan.effective_batch,
                     grad_accum=plan.grad_accum)
         if self.main:
@@ -206,7 +206,7 @@ class Trainer:
                 decision = self.guard.flush()  # the last step's flag, before the final save
             if decision is not None:
                 step = self.diverged(decision, step, sizes)
-        if step > resumed_at:  # a run resumed at its last step keeps its checkpoint as it is
+        if step > self.resumed_at:  # a run resumed at its last step keeps its checkpoint as it is
             self.save(step, blocking=True)
         self.metrics.close(finished=True)
         ctx.finished(step)
@@ -223,8 +223,9 @@ class Trainer:
             self.metrics.write_samples(step, self.gather_samples())
         last = None
         if step % plan.log_every == 0 or step == cfg.steps or step == 1:
-            last = {**self.slow_ranks(window.timings()), **window.close(plan.effective_batch), "lr": lr,
-                    "gpu_memory_gb": gpu_memory_gb(self.device)}
+            judged = step - plan.log_every >= self.resumed_at + WARMUP_STEPS  # a window past the warm-up
+            last = {**self.slow_ranks(window.timings(), judged), **window.close(plan.effective_batch),
+                    "lr": lr, "gpu_memory_gb": gpu_memory_gb(self.device)}
             last["mfu"] = mfu(last["samples_per_second"] / self.env.world_size, self.flops_per_clip,
                               self.peak_flops)
             self.metrics.write(step, last)
@@ -241,12 +242,12 @@ class Trainer:
             self.save(step, blocking=not cfg.intervals.async_checkpoint)
         return last
 
-    def slow_ranks(self, figures: list[list[float]] | None) -> dict[str, Any]:
+    def slow_ranks(self, figures: list[list[float]] | None, judged: bool) -> dict[str, Any]:
         """The log line's timing fields (stragglers.py) and, on rank 0, the log lines and events of the ranks
-        newly named slow or no longer slow."""
+        newly named slow or no longer slow (none while `judged` is False: the warm-up)."""
         if figures is None:
             return {}
-        fields, new, recovered = self.slow.observe(figures)
+        fields, new, recovered = self.slow.observe(figures, judged)
         if self.main:
             hosts = self.slow.hosts
             for latest in new:
