@@ -35,6 +35,7 @@ from tests.helpers import cli, events, make_cluster, metrics, quick_train, rank_
 STEADY = {"steps": 100_000, "intervals.log_every": 2, "intervals.ckpt_every": 100_000,
           "intervals.val_every": 100_000}
 WINDOWS = 3  # slow_rank_windows as shipped
+LOADER = {"intervals.log_every": 4, "data.num_workers": 1, "data.prefetch_factor": 1}
 
 
 @dataclass
@@ -49,10 +50,11 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
     job_dir = tmp_path_factory.mktemp("stragglers")
     plain = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=20)
     loaded = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=20, env={EXTRA_COMPUTE_ENV: "1:0.2"})
-    # one loader worker per rank, one batch ahead: a stopped worker is soon waited for
+    # one loader worker per rank, one batch ahead: a stopped worker is soon waited for. It runs a twentieth of
+    # the time (slow_loader) and a window is 4 steps (LOADER): with a 2-step window and a worker running a
+    # tenth of each second, on a loaded 2-core machine a window caught its running tenth or not, by chance.
     found = Jobs(host=submit_training(plain, quick_train(**STEADY), "host")[0],
-                 data=submit_training(plain, quick_train(**STEADY, **{"data.num_workers": 1,
-                                                                      "data.prefetch_factor": 1}), "data")[0],
+                 data=submit_training(plain, quick_train(**{**STEADY, **LOADER}), "data")[0],
                  compute=submit_training(loaded, quick_train(**STEADY), "compute")[0])
     try:
         yield found
@@ -90,7 +92,7 @@ def slow_loader(pid: int) -> Iterator[None]:
     workers = wait_for(lambda: children(pid), 60, "the loader worker")
     with contextlib.ExitStack() as stack:
         for worker in workers:
-            stack.enter_context(slowed_down(worker, 0.9, 0.1))
+            stack.enter_context(slowed_down(worker, 1.9, 0.1))
         yield
 
 
