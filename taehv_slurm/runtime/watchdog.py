@@ -155,11 +155,13 @@ class Watchdog:
             with contextlib.suppress(OSError):
                 self._dump_if_asked()
             record = self.rank_file.record
+            if self._acted:  # (the thread runs only where hang detection is enabled)
+                continue
             waited = time.time() - record.since
             timeout = self.clock.timeout(record.section)
             if waited > self.settings.floor_s and timeout > self.settings.floor_s and self._peer_frozen():
                 timeout = self.settings.floor_s
-            if self.settings.enabled and waited > timeout and not self._acted:
+            if waited > timeout:
                 self._acted = True
                 self._hang(record.section, waited, timeout)
 
@@ -168,8 +170,6 @@ class Watchdog:
         rank's wait is a hang however new its section (a first save's gather waits on it as a step does).
         Rank 0 reads every record and the others rank 0's, so a check costs 2 × world-size reads, not
         world size squared; a frozen rank 0 is seen by all."""
-        if not self.settings.enabled:
-            return False
         me = self.rank_file.record
         records = read_ranks(self.run_dir, me.job_id, me.restart, me.launch, None if me.rank == 0 else 0)
         oldest = min((float(r["time"]) for r in records if r["rank"] != me.rank), default=time.time())
