@@ -31,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import code_version, write_results  # noqa: E402
+from tests.helpers import slowed_down  # noqa: E402
 
 TRAIN = {"steps": 1_000_000, "teacher.kind": "none", "data.height": 32, "data.width": 32,
          "intervals.log_every": 5, "intervals.ckpt_every": 20, "intervals.val_every": 1_000_000}
@@ -91,15 +92,8 @@ def inflict(fault: str, run_dir: Path) -> str:
     if fault == "stop_rank":
         os.kill(victim["pid"], signal.SIGSTOP)
         return f"SIGSTOP rank {victim['rank']} on {victim['host']}"
-    end = time.monotonic() + 60
-    while time.monotonic() < end:  # slow_rank: stopped 0.3 s of every 0.6 s for a minute
-        try:
-            os.kill(victim["pid"], signal.SIGSTOP)
-            time.sleep(0.3)
-            os.kill(victim["pid"], signal.SIGCONT)
-            time.sleep(0.3)
-        except ProcessLookupError:
-            break
+    with slowed_down(victim["pid"], 0.3, 0.3):  # slow_rank: stopped 0.3 s of every 0.6 s for a minute
+        time.sleep(60)
     return f"rank {victim['rank']} on {victim['host']} stopped half of the time for 60 s"
 
 

@@ -25,12 +25,9 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,43 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
+from tests.helpers import children, slowed_down, wait_for  # noqa: E402
 
 FAULTS = ("host", "data", "GPU", "none")
 TINY = {"teacher.kind": "none", "data.height": 32, "data.width": 32, "intervals.log_every": 2,
         "data.num_workers": 1, "data.prefetch_factor": 1}
-
-
-@contextlib.contextmanager
-def duty_cycle(pids: list[int], stopped_s: float, running_s: float) -> Iterator[None]:
-    """`pids` stopped (SIGSTOP) stopped_s of every stopped_s + running_s until the block ends."""
-    done = threading.Event()
-
-    def cycle() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            while not done.is_set():
-                for pid in pids:
-                    os.kill(pid, signal.SIGSTOP)
-                time.sleep(stopped_s)
-                for pid in pids:
-                    os.kill(pid, signal.SIGCONT)
-                time.sleep(running_s)
-
-    thread = threading.Thread(target=cycle, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
-def children(pid: int) -> list[int]:
-    """The processes `pid` started (a rank's loader workers), from /proc."""
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
 
 
 def rank_record(run_dir: Path, rank: int) -> dict[str, Any]:
@@ -104,15 +69,6 @@ def rows_of(run_dir: Path, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.5)
-    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
-
-
 def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One run with `fault` on its last rank: what was named, when, and what it cost."""
     name = f"faults-{fault.lower()}-{time.strftime('%H%M%S')}"
@@ -132,7 +88,7 @@ def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         cycle = {"host": (0.25, 0.25), "data": (0.45, 0.05)}.get(fault)
         if args.smoke and cycle:
             cycle = {"host": (0.4, 0.2), "data": (0.9, 0.1)}[fault]
-        with duty_cycle(pids, *cycle) if cycle else contextlib.nullcontext():
+        with slowed_down(pids, *cycle) if cycle else contextlib.nullcontext():
             time.sleep(args.fault_s)
         ended = time.time()
         wait_for(lambda: [r for r in rows_of(run_dir, "metrics.jsonl") if r.get("time", 0) > ended + 1],

@@ -119,17 +119,20 @@ def rank_record(handle: Any, rank: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def slowed_down(pid: int, stopped_s: float, running_s: float) -> Iterator[None]:
-    """The process stopped (SIGSTOP) for stopped_s of every stopped_s + running_s, as on a slow node,
-    until the block ends or the process is gone; running again (SIGCONT) after it."""
+def slowed_down(pids: int | list[int], stopped_s: float, running_s: float) -> Iterator[None]:
+    """The process(es) stopped (SIGSTOP) for stopped_s of every stopped_s + running_s, as on a slow node,
+    until the block ends or a process is gone; running again (SIGCONT) after it."""
+    pids = [pids] if isinstance(pids, int) else pids
     done = threading.Event()
 
     def duty_cycle() -> None:
         with contextlib.suppress(ProcessLookupError):
             while not done.is_set():
-                os.kill(pid, signal.SIGSTOP)
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
                 time.sleep(stopped_s)
-                os.kill(pid, signal.SIGCONT)
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
                 time.sleep(running_s)
 
     cycling = threading.Thread(target=duty_cycle, daemon=True)
@@ -139,8 +142,15 @@ def slowed_down(pid: int, stopped_s: float, running_s: float) -> Iterator[None]:
     finally:
         done.set()
         cycling.join()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (a rank's loader workers), from /proc."""
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:

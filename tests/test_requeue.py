@@ -30,6 +30,7 @@ from taehv_slurm.training import submit_training
 from tests.helpers import (
     LOCAL_TASK_ENV,
     assert_identical,
+    children,
     events,
     final_state,
     last_step,
@@ -114,9 +115,7 @@ def test_a_preemption_that_also_signals_the_loader_workers_is_saved_not_a_failur
     cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=1, time_min=30)
     handle = submit_training(cluster, quick_train(steps=24, **EXACT, **{"data.num_workers": 2}), "workers")[0]
     wait_for(lambda: last_step(handle.run_dir) >= 4, 600, "step 4")
-    ranks = [rank_record(handle, rank)["pid"] for rank in (0, 1)]
-    children = subprocess.run(["pgrep", "-P", ",".join(map(str, ranks))], capture_output=True, text=True)
-    workers = [int(pid) for pid in children.stdout.split()]
+    workers = [pid for rank in (0, 1) for pid in children(rank_record(handle, rank)["pid"])]
     assert len(workers) >= 4, workers  # 2 loader workers a rank
     requeue = subprocess.Popen(["scontrol", "requeue", handle.job_id])
     for pid in workers:

@@ -21,7 +21,6 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +29,17 @@ from taehv_slurm.handle import JobHandle
 from taehv_slurm.reports import slow_rank_note
 from taehv_slurm.trainer.stragglers import EXTRA_COMPUTE_ENV, WARMUP_STEPS, SlowRanks, latest_rank
 from taehv_slurm.training import submit_training
-from tests.helpers import cli, events, make_cluster, metrics, quick_train, rank_record, slowed_down, wait_for
+from tests.helpers import (
+    children,
+    cli,
+    events,
+    make_cluster,
+    metrics,
+    quick_train,
+    rank_record,
+    slowed_down,
+    wait_for,
+)
 
 STEADY = {"steps": 100_000, "intervals.log_every": 2, "intervals.ckpt_every": 100_000,
           "intervals.val_every": 100_000}
@@ -81,18 +90,10 @@ def named_after(handle: JobHandle, inflict: Callable[[int], contextlib.AbstractC
     return slow, len([r for r in timed_rows(handle) if before < r["step"] <= named_at])
 
 
-def children(pid: int) -> list[int]:
-    """The processes the rank started (its loader workers), from /proc."""
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
-
-
 @contextlib.contextmanager
 def slow_loader(pid: int) -> Iterator[None]:
     workers = wait_for(lambda: children(pid), 60, "the loader worker")
-    with contextlib.ExitStack() as stack:
-        for worker in workers:
-            stack.enter_context(slowed_down(worker, 1.9, 0.1))
+    with slowed_down(workers, 1.9, 0.1):
         yield
 
 
