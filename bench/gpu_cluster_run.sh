@@ -3,11 +3,12 @@
 # (as root). Starts the cluster (tests/slurm_testbed.py --real-gpus; from the .deb files in $SLURM_DEBS where
 # Slurm is not installed), or keeps the one already up, then runs the named parts:
 #
-#   bash bench/gpu_cluster_run.sh OUTDIR PART...     PART: cluster | scaling | engines | tests | faults
+#   bash bench/gpu_cluster_run.sh OUTDIR PART...     PART: cluster | scaling | engines | tests | faults | slowrank
 #
 # cluster: the nodes get their own GPUs (one test); scaling: bench/slurm_scaling.py over 1x1 1x2 2x1 2xG;
 # engines: ZeRO-1/2/3 at the largest shape; tests / faults: tests/test_gpu_cluster.py, without / with the
 # faults (as many at once as a node has GPUs; FAULTS="killed or timed" picks some, as pytest's -k). Wheels
+# slowrank: bench/slow_rank_faults.py through Slurm on 2 nodes (SLOW="host,data" picks faults). Wheels
 # missing from the machine's Python may be carried in .whl/ (installed into /tmp/site).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,13 +21,14 @@ if [[ -d .whl && ! -e /tmp/site/.done ]]; then
 fi
 [[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
 bed=${GPU_CLUSTER_DIR:-/tmp/taehv-gpu-cluster}
-gpus=$(ls /dev | grep -cE '^nvidia[0-9]+$'); per_node=$((gpus / 2))
+# NODES=3 for the spare-node tests; with fewer GPUs than nodes the nodes take turns on them (slurm_testbed_gpus.py)
+nodes=${NODES:-2}; gpus=$(ls /dev | grep -cE '^nvidia[0-9]+$'); per_node=$(( gpus >= nodes ? gpus / nodes : 1 ))
 debs=(); command -v slurmctld >/dev/null || debs=(--slurm-debs "${SLURM_DEBS:-.slurm-debs}")
 started=$(date +%s)
-python3 -m tests.slurm_testbed start --dir "$bed" --nodes 2 --real-gpus --no-accounting "${debs[@]}" \
+python3 -m tests.slurm_testbed start --dir "$bed" --nodes "$nodes" --real-gpus --no-accounting "${debs[@]}" \
   2>&1 | tee -a "$out/cluster.log" || exit 1
-. "$bed/env.sh"; export TAEHV_GPU_CLUSTER=$bed
-nvidia-smi -L >> "$out/cluster.log"; echo "cluster up after $(( $(date +%s) - started )) s; $gpus GPUs, $per_node per node" | tee -a "$out/cluster.log"
+. "$bed/env.sh"; export TAEHV_GPU_CLUSTER=$bed TAEHV_GPU_CLUSTER_NODES=$nodes
+nvidia-smi -L >> "$out/cluster.log"; echo "cluster up after $(( $(date +%s) - started )) s; $gpus GPUs, $nodes nodes, $per_node per node" | tee -a "$out/cluster.log"
 tests() { timeout "${LIMIT:-500}" python3 -m pytest -o addopts= -m gpu_cluster -q -s -p no:cacheprovider -rA \
             tests/test_gpu_cluster.py "$@" 2>&1 | tee -a "$out/tests.log" | tail -40; }
 for part in "$@"; do
@@ -38,10 +40,15 @@ for part in "$@"; do
     engines) timeout "${LIMIT:-400}" python3 bench/slurm_scaling.py --shapes "2x$per_node" --skip-shapes \
                --engines zero1,zero2,zero3 --out "$out/" 2>&1 | tee "$out/engines.log" | tail -12 ;;
     tests) tests -k "not own_share and not fault" ;;
-    faults) tests -k "${FAULTS:-fault}" -n "$per_node" ;;   # a fault run takes 1 GPU of a node: per_node at once
+    faults) tests -k "${FAULTS:-fault}" -n "${FAULT_JOBS:-$per_node}" ;;   # a fault run takes 1 GPU of a node: per_node at once
+    slowrank) timeout "${LIMIT:-540}" python3 bench/slow_rank_faults.py --cluster configs/cluster/gpu_testbed.yaml \
+               --nodes 2 --gpus "$per_node" --cpus $(( $(nproc) / nodes / per_node < 14 ? $(nproc) / nodes / per_node : 14 )) \
+               --synthetic --faults "${SLOW:-host,data,GPU,none}" --fault-step "${FAULT_STEP:-30}" \
+               --fault-s "${FAULT_S:-60}" --timeout 300 --work /tmp/taehv-slow-rank --out "$out/" 2>&1 \
+               | tee "$out/slowrank.log" | grep -v Warning | tail -12 ;;
   esac
 done
 # the rank logs and Slurm's own, for what the figures do not show
 tar czf "$out/logs.tgz" --ignore-failed-read --exclude=checkpoints --exclude=compile-cache --exclude='*.pt' \
-  -C / "${bed#/}/log" tmp/taehv-slurm-scaling/runs tmp/pytest-of-root 2>/dev/null
+  -C / "${bed#/}/log" tmp/taehv-slurm-scaling/runs tmp/pytest-of-root tmp/taehv-slow-rank 2>/dev/null
 echo "done after $(( $(date +%s) - started )) s"

@@ -2,11 +2,14 @@
 (docs/failures.md, taehv_slurm/trainer/stragglers.py), through the user's command.
 
     python bench/slow_rank_faults.py --data /tmp/taehv-e2e/prepared --gpus 4    # GPUs: the shipped config
+    python bench/slow_rank_faults.py --cluster configs/cluster/gpu_testbed.yaml --nodes 2 --gpus 1 --synthetic
     python bench/slow_rank_faults.py --smoke --out /tmp/faults.json              # CPU, tiny, 2 ranks
 
 Per fault one `python -m jobs.submit --local` of configs/train/taehv.yaml on --gpus GPUs of this machine
-(data.path set; --smoke: the tiny config, 2 CPU ranks, log_every 2). From --fault-step on, the last rank is
-slowed for --fault-s seconds:
+(data.path set; --synthetic: synthetic 128×192 clips, 10-step log windows; --smoke: the tiny config, 2 CPU
+ranks, log_every 2); with --cluster, through Slurm on that cluster config instead (the GPU Slurm cluster of
+tests/slurm_testbed.py --real-gpus, SLURM_CONF set), --nodes × --gpus ranks. From --fault-step on, the last
+rank is slowed for --fault-s seconds:
 
 - host: its process stopped 0.25 s of every 0.5 s (SIGSTOP/SIGCONT), a starved or throttled host;
 - data: its loader workers (its child processes) stopped 0.45 s of every 0.5 s;
@@ -52,11 +55,11 @@ def rank_record(run_dir: Path, rank: int) -> dict[str, Any]:
 
 def cluster_file(work: Path, args: argparse.Namespace, fault: str) -> Path:
     """A local cluster config of --gpus GPUs (--smoke: 2 CPU ranks); the GPU fault's knob in its env."""
-    ranks = 2 if args.smoke else args.gpus
-    extra = f"{ranks - 1}:{0.2 if args.smoke else 0.25}"
+    count = ranks(args)
+    extra = f"{count - 1}:{0.2 if args.smoke else 0.25}"
     path = work / f"faults_{fault}.yaml"
-    path.write_text(f"backend: local\nnodes: 1\ngpus_per_node: {0 if args.smoke else ranks}\n"
-                    f"tasks_per_node: {ranks}\ncpus_per_task: {args.cpus}\n"
+    path.write_text(f"backend: local\nnodes: 1\ngpus_per_node: {0 if args.smoke else count}\n"
+                    f"tasks_per_node: {count}\ncpus_per_task: {args.cpus}\n"
                     f"device: {'cpu' if args.smoke else 'cuda'}\ntime_min: 600\nsignal_delay_s: 60\n"
                     f"job_dir: {work / 'runs'}\n"
                     + ("torch_threads: 1\n" if args.smoke else "")
@@ -69,17 +72,43 @@ def rows_of(run_dir: Path, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def submit_argv(fault: str, args: argparse.Namespace, work: Path, name: str) -> list[str]:
+    """The user's command for one fault's run: --local on this machine, or through Slurm on --cluster."""
+    sets: dict[str, Any] = {"steps": 100_000}
+    if args.smoke:
+        sets.update(TINY)
+    elif args.synthetic:
+        # 10-step log windows: synthetic clips keep the loader near its limit, so a slowed one stretches a
+        # window most (a 25-step window outlasted the whole fault on 2 ranks of an H200)
+        sets.update({"data.source": "synthetic", "data.height": 128, "data.width": 192, "data.val_clips": 4,
+                     "intervals.log_every": 10})
+    else:
+        sets["data.path"] = args.data
+    if args.cluster:
+        sets.update({"job_dir": work / "runs", "cpus_per_task": args.cpus})
+        if fault == "GPU":
+            sets["env.TAEHV_TEST_EXTRA_COMPUTE"] = f"{ranks(args) - 1}:0.25"
+        where = ["--cluster", args.cluster, "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus)]
+    else:
+        where = ["--local", "--cluster", str(cluster_file(work, args, fault))]
+    train = REPO / ("configs/train/tiny.yaml" if args.smoke else "configs/train/taehv.yaml")
+    return [sys.executable, "-m", "jobs.submit", *where, "--train", str(train), "--name", name,
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
+
+
+def ranks(args: argparse.Namespace) -> int:
+    return 2 if args.smoke else args.nodes * args.gpus
+
+
 def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One run with `fault` on its last rank: what was named, when, and what it cost."""
     name = f"faults-{fault.lower()}-{time.strftime('%H%M%S')}"
-    sets = {"steps": 100_000, **(TINY if args.smoke else {"data.path": args.data})}
     log = (work / f"{name}.log").open("w")
-    argv = [sys.executable, "-m", "jobs.submit", "--local", "--cluster", str(cluster_file(work, args, fault)),
-            "--train", str(REPO / ("configs/train/tiny.yaml" if args.smoke else "configs/train/taehv.yaml")),
-            "--name", name, *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    run_dir, victim = work / "runs" / name, (1 if args.smoke else args.gpus - 1)
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.Popen(submit_argv(fault, args, work, name), cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, env=env)
+    run_dir, victim = work / "runs" / name, ranks(args) - 1
     try:
         record = wait_for(lambda: ((r := rank_record(run_dir, victim)).get("step") or 0) >= args.fault_step
                           and r, args.timeout, "the run to reach --fault-step")
@@ -123,7 +152,10 @@ def verdict(fault: str, run_dir: Path, began: float, ended: float, before: int) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", help="a prepared folder (taehv prepare's --out)")
-    p.add_argument("--gpus", type=int, default=4)
+    p.add_argument("--gpus", type=int, default=4, help="GPUs (of each node, with --cluster)")
+    p.add_argument("--cluster", help="a Slurm cluster config: the runs go through Slurm on it")
+    p.add_argument("--nodes", type=int, default=1, help="nodes, with --cluster")
+    p.add_argument("--synthetic", action="store_true", help="synthetic 128×192 clips instead of --data")
     p.add_argument("--cpus", type=int, default=12, help="cpus_per_task")
     p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--fault-step", type=int, default=60, help="the victim's step at which the fault begins")
@@ -135,18 +167,21 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:
         args.cpus, args.fault_step, args.fault_s, args.timeout = 1, 16, 15, 600  # past the warm-up
-    elif not args.data:
-        p.error("--data PREPARED is needed on GPUs (or --smoke)")
+    elif not (args.data or args.synthetic):
+        p.error("--data PREPARED or --synthetic is needed on GPUs (or --smoke)")
+    if args.nodes > 1 and not args.cluster:
+        p.error("--nodes needs --cluster (a Slurm cluster config)")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    info = run_info(not args.smoke, gpus=2 if args.smoke else args.gpus, fault_step=args.fault_step,
+    info = run_info(not args.smoke, gpus=ranks(args), nodes=args.nodes, cluster=args.cluster,
+                    data="synthetic 128x192" if args.synthetic else args.data, fault_step=args.fault_step,
                     fault_s=args.fault_s)
     rows = []
     for fault in args.faults.split(","):
         rows.append(one_fault(fault, args, work))
         print(json.dumps(rows[-1]), flush=True)
     write_results(args.out, "slow_rank_faults_smoke" if args.smoke else "slow_rank_faults",
-                  {"info": info, "rows": rows}, gpus=1 if args.smoke else args.gpus)
+                  {"info": info, "rows": rows}, gpus=1 if args.smoke else ranks(args))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import yaml
-
 from taehv_slurm.config import ConfigError, TrainConfig, load_train, split_overrides
+from taehv_slurm.typed_yaml import load_yaml
 
 
 def sweep_grid(items: list[str] | Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
@@ -45,7 +44,7 @@ def _parse_sweep_item(item: str) -> tuple[str, list[Any]]:
     key, sep, values = item.partition("=")
     if not sep or not key.strip() or not values.strip():
         raise ConfigError(f"--sweep {item!r}: expected KEY=V1,V2,... e.g. --sweep optim.lr=1e-4,2e-4")
-    return key.strip(), [yaml.safe_load(v) for v in values.split(",") if v.strip()]
+    return key.strip(), [load_yaml(v) for v in values.split(",") if v.strip()]
 
 
 def sweep_trains(train: TrainConfig,

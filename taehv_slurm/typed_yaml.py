@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -21,6 +22,22 @@ import yaml
 
 class ConfigError(ValueError):
     """A configuration problem; the message is one line that names the problem and the fix."""
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader less YAML 1.1's base-60 numbers: `1:30` is the text "1:30" (as in YAML 1.2),
+    not 90 — an env value such as `1:0.25` reached the ranks as 60.25."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, re.compile(r"(?!.*:)" + rx.pattern, rx.flags) if tag.endswith((":int", ":float")) else rx)
+            for tag, rx in resolvers]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+def load_yaml(text: str) -> Any:
+    """One YAML document, safely, with no base-60 numbers (`_Loader`)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
 
 
 def load_typed(cls: type, path_or_dict: Any, kind: str, overrides: Mapping[str, Any],
@@ -74,7 +91,7 @@ def parse_set_args(items: list[str] | None) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set nodes=2")
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+            out[key.strip()] = load_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError:
             out[key.strip()] = raw
     return out
@@ -106,7 +123,7 @@ def read_yaml(path_or_dict: Any, kind: str,
         raise ConfigError(f"{kind} {path} not found: check the path "
                           "(configs/cluster/ and configs/train/ hold examples)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

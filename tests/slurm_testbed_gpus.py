@@ -14,6 +14,10 @@ What differs from the CPU testbed, and why:
   nodes on a 4-GPU host). Slurm sets CUDA_VISIBLE_DEVICES to the node-local indices (0,1 on every node) —
   right on a real cluster, where a node's GPUs are all its own, wrong here where the nodes share one host's
   numbering: a TaskProlog turns the local indices into the host's, as the device cgroup would on a real node.
+- With fewer GPUs than nodes (`--nodes 3` on a 1-GPU host) the nodes share the GPUs in turn: every node still
+  has its own hostname, so NCCL still connects them over sockets as separate hosts (it refuses two ranks on
+  one GPU only within one host). Right for what crosses nodes (launch, NCCL between hosts, faults, restarts,
+  spares), not for speed: the ranks time-slice one GPU.
 - slurmd needs a cgroup v1 freezer hierarchy (cgroup/v2 needs systemd's dbus, which such images lack):
   where none is mounted, one is mounted privately under `<dir>/cgroup` and named in cgroup.conf.
 """
@@ -51,12 +55,21 @@ def device_index(path: str) -> int:
 
 
 def split_gpus(devices: Sequence[str], nodes: int) -> list[list[str]]:
-    """Each node's device files: the host's GPUs in equal consecutive shares."""
-    if not devices or len(devices) % nodes:
+    """Each node's device files: the host's GPUs in equal consecutive shares; with fewer GPUs than nodes,
+    the nodes take turns (node i gets GPU i mod the count), so a 1-GPU host can hold a 3-node cluster."""
+    if not devices or (len(devices) % nodes if len(devices) >= nodes else nodes % len(devices)):
         raise TestbedError(f"Slurm testbed: {len(devices)} GPU(s) on this host cannot be split evenly over "
-                           f"{nodes} node(s): choose --nodes to divide the GPU count")
+                           f"{nodes} node(s): choose --nodes to divide the GPU count, or a multiple of it")
+    if len(devices) < nodes:
+        return [[devices[i % len(devices)]] for i in range(nodes)]
     share = len(devices) // nodes
     return [list(devices[i * share:(i + 1) * share]) for i in range(nodes)]
+
+
+def shares_gpus(shares: Sequence[Sequence[str]]) -> bool:
+    """Whether some GPU is given to more than one node (a host with fewer GPUs than nodes)."""
+    files = [f for share in shares for f in share]
+    return len(set(files)) < len(files)
 
 
 def gres_lines(node_names: Sequence[str], shares: Sequence[Sequence[str]]) -> str:

@@ -147,6 +147,16 @@ def test_set_overrides_route_and_parse() -> None:
         parse_set_args(["nodes"])
 
 
+
+def test_a_value_with_colons_stays_text_in_a_file_and_in_set(tmp_path: Path) -> None:
+    """YAML 1.1 reads `1:30` as 90 (base 60): an env value `RANK:SECONDS` reached the ranks as a number."""
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f"job_dir: {tmp_path}\nenv:\n  WINDOW: 1:30\n  SPAN: 12:30:00\n")
+    cluster = load_cluster(config, **split_overrides(parse_set_args(["env.EXTRA=1:0.25"]))[0])
+    assert cluster.env == {"WINDOW": "1:30", "SPAN": "12:30:00", "EXTRA": "1:0.25"}
+    assert parse_set_args(["nodes=2", "optim.lr=2e-4", "x=0x10", "y=-1.5"]) == {
+        "nodes": 2, "optim.lr": "2e-4", "x": 16, "y": -1.5}  # numbers without colons are numbers still
+
 # A cluster config with every field away from its default, and where each field must show: in the sbatch
 # script, the task every rank runs (its requeue limits, signal budgets, watchdog), the settings the trainer
 # gets, the executor, or the submit-time checks. The table names every field (checked below).

@@ -1,14 +1,18 @@
-"""The whole Slurm path on real GPUs: a Slurm cluster of two nodes on one host with several GPUs, each node
+"""The whole Slurm path on real GPUs: a Slurm cluster of two (or three) nodes on one host with GPUs, each node
 its own hostname and its share of the GPUs (tests/slurm_testbed_gpus.py), driven through the user's commands.
 
-Marked `gpu_cluster`: skipped where this host has fewer than 2 GPUs (CI). On a multi-GPU machine, as root:
+Marked `gpu_cluster`: skipped where this host has no GPU (CI). On a GPU machine, as root:
 
     python -m tests.slurm_testbed start --dir /tmp/taehv-gpu-cluster --nodes 2 --real-gpus --no-accounting \
         [--slurm-debs DIR]            # Debian 12's .deb files where Slurm is not installed
     . /tmp/taehv-gpu-cluster/env.sh && TAEHV_GPU_CLUSTER=/tmp/taehv-gpu-cluster \
         python -m pytest -m gpu_cluster -n 0 -p no:cacheprovider tests/test_gpu_cluster.py
 
-- each node's tasks get that node's GPUs, and the nodes' GPUs are all of the host's, none twice;
+(`--nodes 3` and TAEHV_GPU_CLUSTER_NODES=3 for the spare-node tests; on a host with fewer GPUs than nodes the
+nodes take turns on them, which is right for what crosses nodes and not for speed.)
+
+- each node's tasks get that node's GPUs, and the nodes' GPUs are all of the host's, none twice (unless the
+  host has fewer GPUs than nodes);
 - the classic launch mistakes, for real: more tasks per node than the node has GPUs is refused by Slurm with
   one line naming the fix; 2 × N ranks launched as 1 × 2N (the mismatch allowed on purpose) fails at its
   first rank without a GPU with one line naming the launch, not CUDA's "invalid device ordinal";
@@ -25,6 +29,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,20 +39,21 @@ from taehv_slurm.config import load_cluster, load_train
 from taehv_slurm.plan import plan_for_cluster
 from tests.helpers import REPO, job_state, metrics, wait_for
 from tests.slurm_testbed import Testbed
-from tests.slurm_testbed_gpus import host_gpus
+from tests.slurm_testbed_gpus import host_gpus, shares_gpus
 
 CLUSTER = REPO / "configs/cluster/gpu_testbed.yaml"
 SHIPPED = REPO / "configs/train/taehv.yaml"
 pytestmark = [pytest.mark.gpu_cluster, pytest.mark.timeout(900),
-              pytest.mark.skipif(len(host_gpus()) < 2, reason="needs a host with 2 GPUs or more")]
+              pytest.mark.skipif(not host_gpus(), reason="needs a host with a GPU")]
+NODES = int(os.environ.get("TAEHV_GPU_CLUSTER_NODES", "2"))
 
 
 @pytest.fixture(scope="module")
 def gpu_cluster() -> Iterator[Testbed]:
     """The GPU cluster TAEHV_GPU_CLUSTER names (started beforehand, left running), else one started here."""
     given = os.environ.get("TAEHV_GPU_CLUSTER")
-    bed = Testbed(given or "/tmp/taehv-gpu-cluster", nodes=2, accounting=False, gpu_devices=host_gpus(),
-                  cpus_per_node=max(1, (os.cpu_count() or 2) // 2))
+    bed = Testbed(given or "/tmp/taehv-gpu-cluster", nodes=NODES, accounting=False, gpu_devices=host_gpus(),
+                  cpus_per_node=max(1, (os.cpu_count() or 2) // NODES))
     if not given:
         bed.start()
     with pytest.MonkeyPatch.context() as environ:
@@ -67,6 +73,11 @@ def taehv(*args: str, job_dir: Path, timeout: float = 600) -> subprocess.Complet
                               str(REPO), os.environ.get("PYTHONPATH")]))})
 
 
+def cpus_each(bed: Testbed, tasks_per_node: int) -> list[str]:
+    """The `--set` of cpus_per_task that fits `tasks_per_node` tasks on a node (14 where there is room)."""
+    return ["--set", f"cpus_per_task={min(14, bed.cpus_per_node // tasks_per_node)}"]
+
+
 def small_shipped_run(steps: int) -> list[str]:
     """`--set`s that make configs/train/taehv.yaml a short run on synthetic clips (no shards needed)."""
     sets = {"data.source": "synthetic", "data.height": 128, "data.width": 192, "data.val_clips": 4,
@@ -80,7 +91,7 @@ def test_each_node_runs_on_its_own_share_of_the_gpus(gpu_cluster: Testbed) -> No
     per_node = gpu_cluster.gpus_per_node
     probe = ("import socket, torch; print(socket.gethostname(), sorted(str(torch.cuda.get_device_properties("
              "i).uuid) for i in range(torch.cuda.device_count())))")
-    done = subprocess.run(["srun", "-N2", f"--ntasks-per-node={per_node}", f"--gres=gpu:{per_node}",
+    done = subprocess.run(["srun", f"-N{NODES}", f"--ntasks-per-node={per_node}", f"--gres=gpu:{per_node}",
                            sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     seen: dict[str, set[str]] = {}
@@ -89,9 +100,12 @@ def test_each_node_runs_on_its_own_share_of_the_gpus(gpu_cluster: Testbed) -> No
         seen.setdefault(host, set()).update(ast.literal_eval(uuids))
     assert sorted(seen) == gpu_cluster.node_names
     assert all(len(u) == per_node for u in seen.values()), seen
-    tb1, tb2 = seen.values()
-    assert not tb1 & tb2, "two nodes were given the same GPU"
-    assert len(tb1 | tb2) == len(host_gpus())
+    every = [u for uuids in seen.values() for u in uuids]
+    if shares_gpus(gpu_cluster.gpu_shares):  # fewer GPUs than nodes: all of them, in turn
+        assert len(set(every)) == len(host_gpus()), seen
+    else:
+        assert len(set(every)) == len(every), f"two nodes were given the same GPU: {seen}"
+        assert len(every) == len(host_gpus())
 
 
 def test_more_tasks_per_node_than_gpus_is_refused_with_one_line(gpu_cluster: Testbed, tmp_path: Path) -> None:
@@ -125,6 +139,7 @@ def test_a_two_node_run_crosses_hosts_over_sockets_and_nvlink_inside(gpu_cluster
                                                                      tmp_path: Path) -> None:
     gpus = gpu_cluster.gpus_per_node
     done = taehv("submit", "--nodes", "2", "--gpus-per-node", str(gpus), *small_shipped_run(6),
+                 *cpus_each(gpu_cluster, gpus),
                  "--set", "env.NCCL_DEBUG=INFO", "--name", "crossing", "--follow", job_dir=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     run_dir = tmp_path / "crossing"
@@ -149,10 +164,11 @@ def test_a_two_node_run_crosses_hosts_over_sockets_and_nvlink_inside(gpu_cluster
 FAULT_SETS = {"intervals.ckpt_every": 5, "hang_floor_s": 30, "heartbeat_s": 3, "min_nodes": 1}
 
 
-def fault_run(name: str, job_dir: Path, steps: int, *extra: str) -> str:
-    """Submit a 2-node run for a fault test; its job id."""
+def fault_run(bed: Testbed, name: str, job_dir: Path, steps: int, *extra: str) -> str:
+    """Submit a 2-node run for a fault test (a node's CPUs shared by as many as it has GPUs); its job id."""
     sets = [a for k, v in FAULT_SETS.items() for a in ("--set", f"{k}={v}")]
-    done = taehv("submit", "--nodes", "2", "--gpus-per-node", "1", *small_shipped_run(steps), *sets, *extra,
+    done = taehv("submit", "--nodes", "2", "--gpus-per-node", "1", *small_shipped_run(steps), *sets,
+                 *cpus_each(bed, bed.gpus_per_node), *extra,
                  "--name", name, job_dir=job_dir)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return re.search(r"submitted job (\d+)", done.stdout)[1]
@@ -183,7 +199,7 @@ def logged_once(run_dir: Path, steps: int) -> bool:
 
 
 def test_fault_preemption_saves_on_both_nodes_and_resumes(gpu_cluster: Testbed, tmp_path: Path) -> None:
-    job = fault_run("preempted", tmp_path, 60)
+    job = fault_run(gpu_cluster, "preempted", tmp_path, 60)
     run_dir = tmp_path / "preempted"
     wait_for(lambda: (rank_of(run_dir, 1).get("step") or 0) >= 15, 600, "training on both nodes")
     subprocess.run(["scontrol", "requeue", job], check=True)
@@ -194,7 +210,8 @@ def test_fault_preemption_saves_on_both_nodes_and_resumes(gpu_cluster: Testbed, 
 
 
 def test_fault_time_limit_saves_requeues_and_resumes(gpu_cluster: Testbed, tmp_path: Path) -> None:
-    job = fault_run("timed", tmp_path, 100_000, "--time-min", "2")  # the warning (USR2) 30-90 s before 2 min
+    # the warning (USR2) 30-90 s before 2 min
+    job = fault_run(gpu_cluster, "timed", tmp_path, 100_000, "--time-min", "2")
     run_dir = tmp_path / "timed"
     (requeue,) = wait_for(lambda: run_events(run_dir, "requeue"), 600, "the time limit's requeue")
     assert requeue["reason"] == "timeout" and requeue["by"] == "self"
@@ -206,7 +223,7 @@ def test_fault_time_limit_saves_requeues_and_resumes(gpu_cluster: Testbed, tmp_p
 
 def test_fault_stopped_rank_on_node_2_is_named_and_the_run_goes_on_without_it(gpu_cluster: Testbed,
                                                                                tmp_path: Path) -> None:
-    job = fault_run("stopped", tmp_path, 120)
+    job = fault_run(gpu_cluster, "stopped", tmp_path, 120)
     run_dir = tmp_path / "stopped"
     victim = wait_for(lambda: (r := rank_of(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
                       "training")
@@ -226,7 +243,7 @@ def test_fault_stopped_rank_on_node_2_is_named_and_the_run_goes_on_without_it(gp
 
 def test_fault_every_rank_of_node_2_killed_is_named_and_left_out(gpu_cluster: Testbed,
                                                                  tmp_path: Path) -> None:
-    job = fault_run("killed", tmp_path, 120)
+    job = fault_run(gpu_cluster, "killed", tmp_path, 120)
     run_dir = tmp_path / "killed"
     victim = wait_for(lambda: (r := rank_of(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
                       "training")
@@ -238,10 +255,41 @@ def test_fault_every_rank_of_node_2_killed_is_named_and_left_out(gpu_cluster: Te
     assert final_state(job) == "COMPLETED" and logged_once(run_dir, 120)
 
 
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_fault_spare_node_takes_the_place_of_a_lost_one_inside_the_allocation(gpu_cluster: Testbed,
+                                                                              tmp_path: Path,
+                                                                              fault: str) -> None:
+    """2 nodes + 1 spare: the second node's rank SIGKILLed (a node taken away) or SIGSTOPped (a stuck GPU);
+    the job starts again on the spare — same job id, no requeue, world size kept — within a minute plus
+    the new step's start-up (a stop: plus the hang floor and a heartbeat)."""
+    if gpu_cluster.nodes < 3:
+        pytest.skip("a spare node needs a 3-node GPU cluster (--nodes 3, TAEHV_GPU_CLUSTER_NODES=3)")
+    job = fault_run(gpu_cluster, f"spare-{fault}", tmp_path, 120, "--spare-nodes", "1")
+    run_dir = tmp_path / f"spare-{fault}"
+    victim = wait_for(lambda: (r := rank_of(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
+                      "training")
+    struck_at = time.time()
+    os.kill(victim["pid"], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    (restart,) = wait_for(lambda: run_events(run_dir, "restart"), 300, "the restart on the spare")
+    first = wait_for(lambda: [e for e in run_events(run_dir, "first_step")
+                              if e["segment"] == restart["segment"] + 1], 300, "training on the spare")[0]
+    assert restart["cause"] == ("killed" if fault == "killed" else "hang")
+    assert restart["left_out"] == [victim["host"]] and victim["host"] not in restart["nodes"]
+    assert restart["world_before"] == restart["world_after"] == 2  # the spare keeps the world size
+    found_within = FAULT_SETS["hang_floor_s"] + FAULT_SETS["heartbeat_s"] + 10 if fault == "stopped" else 0
+    assert first["time"] - struck_at <= found_within + 60 + first["seconds"], (first["time"] - struck_at,
+                                                                                first["seconds"])
+    assert not run_events(run_dir, "requeue") and str(first["job_id"]) == job  # it never left the allocation
+    assert final_state(job) == "COMPLETED" and logged_once(run_dir, 120)
+    ends = {rank_of(run_dir, r)["host"] for r in range(2)}  # the last step's ranks: the spare among them
+    assert victim["host"] not in ends and len(ends) == 2
+
+
 def test_fault_resume_two_nodes_then_one_then_two_keeps_the_losses(gpu_cluster: Testbed,
                                                                    tmp_path: Path) -> None:
     for nodes, steps in ((2, 20), (1, 40), (2, 60)):
         done = taehv("submit", "--nodes", str(nodes), "--gpus-per-node", "1", *small_shipped_run(steps),
+                     *cpus_each(gpu_cluster, 1),
                      "--name", "resumed", "--follow", job_dir=tmp_path)
         assert done.returncode == 0, done.stdout[-2000:]
     run_dir = tmp_path / "resumed"

@@ -138,27 +138,35 @@ def test_a_slow_loader_is_named_with_cause_data(jobs: Jobs) -> None:
 
 
 # ----------------------------------------------------------------------- the verdicts on given figures
-# Per rank: step, wait, compute, data, stall (seconds per step), as LogWindow.timings() gathers them.
-CLEAN = [0.5, 0.02, 0.45, 0.01, 0.02]
+# Per rank: step, wait, compute, data, stall, host (seconds per step), as LogWindow.timings() gathers them.
+CLEAN = [0.5, 0.02, 0.45, 0.01, 0.02, 0.1]
 
 
-def late(rank: int, figure: str | None = None) -> list[list[float]]:
-    """Four ranks of a 0.5 s step; `rank` 0.2 s late (the others wait for it) with 0.2 s more `figure`."""
-    rows = [[0.5, 0.22, 0.25, 0.01, 0.02] for _ in range(4)]
+def late(rank: int, *figures: str) -> list[list[float]]:
+    """Four ranks of a 0.5 s step; `rank` 0.2 s late (the others wait for it) with 0.2 s more of each of
+    `figures` (a stall is host time too)."""
+    rows = [[0.5, 0.22, 0.25, 0.01, 0.02, 0.1] for _ in range(4)]
     rows[rank][1] = 0.02
-    if figure is not None:
-        rows[rank][("compute", "data", "stall").index(figure) + 2] += 0.2
+    for figure in figures:
+        rows[rank][("compute", "data", "stall", "host").index(figure) + 2] += 0.2
     return rows
 
 
 @pytest.mark.parametrize("figures, device, cause", [
-    (late(2, "stall"), "GPU", "host"),  # stopped or starved: off the CPU during its own work
+    (late(2, "stall", "host"), "GPU", "host"),  # stopped or starved: off the CPU during its own work
+    # ... which leaves its GPU without work, idle between the events that time the compute: still the host
+    ([[0.5, 0.17, 0.3, 0.01, 0.02, 0.1]] * 2 + [[0.5, 0.02, 0.45, 0.01, 0.12, 0.25],
+                                              [0.5, 0.17, 0.3, 0.01, 0.02, 0.1]], "GPU", "host"),
+    (late(2, "host"), "GPU", "host"),  # slow on the CPU without a stall: launches, Python
+    # a data wait between micro-batches leaves the GPU idle inside the compute's events too (measured so)
+    ([[0.5, 0.3, 0.2, 0.01, 0.02, 0.1]] * 2 + [[0.5, 0.02, 0.52, 0.31, 0.02, 0.1],
+                                             [0.5, 0.3, 0.2, 0.01, 0.02, 0.1]], "GPU", "data"),
     (late(2, "data"), "GPU", "data"),
     (late(2, "compute"), "GPU", "GPU"),
     (late(2, "compute"), "compute", "compute"),  # on a CPU
     # on a shared CPU more compute also waits longer for a core: still its compute's doing
-    ([[0.5, 0.32, 0.1, 0.01, 0.07]] * 2 + [[0.5, 0.02, 0.2, 0.01, 0.27], [0.5, 0.32, 0.1, 0.01, 0.07]],
-     "compute", "compute"),
+    ([[0.5, 0.32, 0.1, 0.01, 0.07, 0.17]] * 2 + [[0.5, 0.02, 0.2, 0.01, 0.27, 0.47],
+                                                [0.5, 0.32, 0.1, 0.01, 0.07, 0.17]], "compute", "compute"),
     (late(2), "GPU", "host"),  # nothing sets it apart but its lateness: launches, Python, the step's rest
 ])
 def test_the_cause_is_what_sets_the_latest_rank_apart(figures: list[list[float]], device: str,
@@ -170,7 +178,7 @@ def test_the_cause_is_what_sets_the_latest_rank_apart(figures: list[list[float]]
 
 
 def test_a_slow_collective_with_every_rank_on_time_is_the_link() -> None:
-    verdict = latest_rank([[0.5, 0.25, 0.2, 0.01, 0.01]] * 4, ["n0", "n1", "n2", "n3"], margin=0.3)
+    verdict = latest_rank([[0.5, 0.25, 0.2, 0.01, 0.01, 0.1]] * 4, ["n0", "n1", "n2", "n3"], margin=0.3)
     assert verdict is not None and (verdict.rank, verdict.cause, verdict.late) == (None, "link", True)
     assert verdict.detail.startswith("every rank arrives together, but the step's collectives take 0.250 s")
     assert latest_rank([CLEAN] * 4, ["n0"] * 4, margin=0.3).late is False  # type: ignore[union-attr]

@@ -17,6 +17,8 @@ import pytest
 
 from taehv_slurm.slurm import expand_hosts, is_final, job_state
 from tests.slurm_testbed import REPO, Testbed
+from tests.slurm_testbed_gpus import shares_gpus, split_gpus
+from tests.testbed_processes import TestbedError
 
 T = TypeVar("T")
 
@@ -114,6 +116,17 @@ def test_cli_status_shows_the_daemons_and_nodes(slurm_cluster: Testbed) -> None:
     assert "slurmctld: pid" in out and "slurmdbd: pid" in out
     assert all(f"slurmd-{n}: pid" in out for n in slurm_cluster.node_names)
     assert "tb1 tb* " in out and "gpu:8" in out
+
+
+def test_gpus_are_split_evenly_or_taken_in_turn_by_more_nodes_than_gpus() -> None:
+    four = [f"/dev/nvidia{i}" for i in range(4)]
+    assert split_gpus(four, 2) == [four[:2], four[2:]] and not shares_gpus(split_gpus(four, 2))
+    assert split_gpus(four[:1], 3) == [four[:1]] * 3  # a 1-GPU host holds a 3-node cluster
+    assert split_gpus(four[:2], 4) == [[four[0]], [four[1]], [four[0]], [four[1]]]
+    assert shares_gpus(split_gpus(four[:1], 3))
+    for devices, nodes in ((four, 3), (four[:2], 3), ([], 2)):
+        with pytest.raises(TestbedError, match="cannot be split evenly"):
+            split_gpus(devices, nodes)
 
 
 @pytest.fixture(scope="module")

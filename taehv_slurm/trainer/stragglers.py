@@ -8,7 +8,8 @@ loader or link costs every rank. Each step `StepClock` splits this rank's time i
 - its compute (on a GPU: device time of the rest of the step; on a CPU: the main thread's CPU time),
 - its data wait (host seconds blocked on the loader), and
 - its stall: host seconds of its own work with the main thread off the CPU (stopped, CPU-starved,
-  blocked), which is what a throttled host shows.
+  blocked), which is what a throttled host shows, and
+- its host time: the wall seconds of its own work on the host (launching the GPU's work, Python).
 
 Nothing in a step waits for a timing: CUDA events are read at the log line. The log window gathers every
 rank's means (one small all-reduce); `SlowRanks.observe` finds the rank that arrives last (it waits
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 
 log = logging.getLogger("taehv")
-FIGURES = ("step_s", "wait_s", "compute_s", "data_s", "stall_s")  # per rank and step, in this order
+FIGURES = ("step_s", "wait_s", "compute_s", "data_s", "stall_s", "host_s")  # per rank and step, in order
 # slow_rank_margin by device where the cluster config leaves it unset: a GPU's step times are steady to a
 # few ms; CPU ranks share the host's cores with each other and the loader, and a window's lateness varied by
 # up to 60 % on the 2-core CI testbed with nothing slowed.
@@ -104,14 +105,14 @@ class StepClock:
             self.ended = self._event()
 
     def figures(self) -> tuple[float, ...]:
-        """(0, wait, compute, data, stall) seconds of this step; on a GPU it waits for the step's events."""
-        stall = max(0.0, self.wall - self.cpu)
+        """FIGURES' seconds of this step, step_s 0; on a GPU it waits for the step's events."""
+        stall, host = max(0.0, self.wall - self.cpu), max(0.0, self.wall)
         if not self.cuda or self.began is None or self.ended is None:
-            return 0.0, self.wait_s, max(0.0, self.cpu), self.data_s, stall
+            return 0.0, self.wait_s, max(0.0, self.cpu), self.data_s, stall, host
         self.ended.synchronize()
         waits = [(a.elapsed_time(b) / 1000, inside) for a, b, inside in self.waits]
         compute = self.began.elapsed_time(self.ended) / 1000 - sum(w for w, inside in waits if inside)
-        return 0.0, sum(w for w, _ in waits), max(0.0, compute), self.data_s, stall
+        return 0.0, sum(w for w, _ in waits), max(0.0, compute), self.data_s, stall, host
 
 
 def extra_compute_for_tests(rank: int, device: torch.device) -> Callable[[], None] | None:
@@ -150,6 +151,7 @@ class Latest:
     lost_s: float  # seconds per step the job lost to it: the others' median wait less its own
     late: bool  # past the margin in this window
     detail: str
+    excess: dict[str, float] = field(default_factory=dict)  # its figures less the others' medians, per step
 
 
 def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin: float,
@@ -160,14 +162,15 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
     late when that exceeds `margin` × the others' time to arrive (their step less their wait). Its cause is
     the figure by which it exceeds the others' median most where that explains at least half of the wait it
     causes: data wait (`data`), stall (`host`) or compute (`compute_name`; on a CPU the stall that more
-    compute brings on a shared host counts with it); otherwise `host` (its time outside compute and data:
+    compute brings on a shared host counts with it; on a GPU only beyond its longer host time and data
+    wait, which leave the device waiting for work); otherwise `host` (its time outside compute and data:
     launches, Python, the step's other work). With no rank late, `link` (rank None) when the collectives
     themselves, the last rank's wait, take more than `margin` × the ranks' time to arrive. None for fewer
     than 2 ranks."""
     if len(figures) < 2:
         return None
     step = statistics.median(f[0] for f in figures)
-    wait, compute, data, stall = ([f[i] for f in figures] for i in range(1, 5))
+    wait, compute, data, stall, host_s = ([f[i] for f in figures] for i in range(1, 6))
     rank = min(range(len(figures)), key=lambda r: (wait[r], r))
     others = [r for r in range(len(figures)) if r != rank]
 
@@ -182,13 +185,23 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
                       f"every rank arrives together, but the step's collectives take {wait[rank]:.3f} s per "
                       f"step ({_share(wait[rank], step)}): a slow link, switch or network between the ranks "
                       "(`taehv preflight --job` measures the bus bandwidth)")
-    # On a CPU the compute is the host's own CPU time: where the host is shared, each CPU-second of it also
-    # costs the wall time it waits for a core (the others' wall per CPU-second, k), so a rank with more
-    # compute stalls more too. Its stall counts only beyond k's share; on a GPU the two are independent.
-    k = 1.0 if compute_name == "GPU" else statistics.median(
-        (compute[r] + stall[r]) / compute[r] if compute[r] > 0 else 1.0 for r in others)
     extra = {"data": excess(data), "stall": excess(stall), "compute": excess(compute)}
-    over = {**extra, "stall": extra["stall"] - (k - 1) * extra["compute"], "compute": k * extra["compute"]}
+    figures_over = {**extra, "host": excess(host_s)}
+    if compute_name == "GPU":
+        # The device time is measured between CUDA events, and a host that launches the step's work late
+        # (slow, starved) or waits for a later micro-batch's data leaves the device idle between them (2
+        # ranks through Slurm on an H200, loader workers stopped: +3.17 s of data wait and +3.19 s of "GPU"
+        # per step). The compute counts only beyond the rank's extra host time and data wait.
+        over = {**extra, "compute": extra["compute"] - max(0.0, figures_over["host"])
+                - max(0.0, extra["data"])}
+    else:
+        # On a CPU the compute is the host's own CPU time: where the host is shared, each CPU-second of it
+        # also costs the wall time it waits for a core (the others' wall per CPU-second, k), so a rank with
+        # more compute stalls more too. Its stall counts only beyond k's share.
+        k = statistics.median((compute[r] + stall[r]) / compute[r] if compute[r] > 0 else 1.0
+                              for r in others)
+        over = {**extra, "stall": extra["stall"] - (k - 1) * extra["compute"],
+                "compute": k * extra["compute"]}
     key = max(over, key=lambda name: over[name])
     key = key if over[key] >= lost / 2 and over[key] > 0 else "rest"
     cause = {"data": "data", "compute": compute_name}.get(key, "host")
@@ -196,7 +209,8 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
     return Latest(rank, cause, lost, lost > threshold,
                   f"rank {rank} on {host}: the others wait {lost:.3f} s per step for it "
                   f"({_share(lost, step)}), cause {cause}: "
-                  f"{_why(key, compute_name, compute[rank], data[rank], stall[rank], extra)}")
+                  f"{_why(key, compute_name, compute[rank], data[rank], stall[rank], extra)}",
+                  {name: round(value, 4) for name, value in figures_over.items()})
 
 
 def _why(key: str, compute_name: str, compute: float, data: float, stall: float,
@@ -244,7 +258,7 @@ class SlowRanks:
         self.streak = {latest.rank: self.streak.get(latest.rank, 0) + 1} if latest.late else {}
         host = None if latest.rank is None else self.hosts[latest.rank]
         fields.update(late_rank=latest.rank, late_host=host, late_cause=latest.cause, late_s=latest.lost_s,
-                      late=latest.late)
+                      late=latest.late, late_excess_s=latest.excess)
         now = {key for key, n in self.streak.items() if n >= self.windows}
         new = [latest for key in now if key not in self.named]
         recovered = [key for key in self.named if key not in now]
