@@ -187,6 +187,23 @@ class SlurmBackend(Backend):
         info = slurm.job_info(job_id, survive_term=True)
         return slurm.seconds_left(info, time.time()) if isinstance(info, dict) else None
 
+    def release_nodes(self, job_id: str, nodes: Sequence[str]) -> dict[str, Any]:
+        """Shrink the running job's allocation by `nodes` (`scontrol update JobId= NodeList=`): they go
+        back to the cluster instead of sitting idle until the job ends. The batch script's node stays (its
+        ranks are not placed there again either). A requeued job asks for its full size again. The restart
+        event's fields: `released` and `nodes_held`, or `release_error`."""
+        info = slurm.job_info(job_id)
+        if not isinstance(info, dict):
+            return {"release_error": f"scontrol show job: {info.error}"}
+        held = slurm.expand_hosts(info.get("NodeList"))
+        drop = [n for n in dict.fromkeys(nodes) if n in held and n != info.get("BatchHost")]
+        if not drop:
+            return {}
+        answer = slurm.update_job(job_id, NodeList=",".join(n for n in held if n not in drop))
+        if not answer.ok:
+            return {"release_error": f"scontrol update JobId={job_id} NodeList=...: {answer.error}"}
+        return {"released": drop, "nodes_held": len(held) - len(drop)}
+
     def requeue_after_failure(self, job_id: str, exclude: Sequence[str] = ()) -> Outcome:
         if exclude:
             return self._requeue_excluding(job_id, exclude)

@@ -4,7 +4,8 @@ Per attempt of a job — its first run, each requeue, and each restart of its ra
 holds (taehv_slurm.runtime.restart) — from the run's own files and Slurm's accounting:
 
 - allocated node-seconds: sacct's Elapsed × NNodes of that allocation (where the site keeps accounting;
-  else the attempt's span in events.jsonl × nodes), shared among the attempts inside it by their spans;
+  else the attempt's span in events.jsonl × nodes), shared among the attempts inside it by their spans and
+  the nodes held in each (a restart gives the nodes it left out back: `nodes_held` in its event);
 - time in the queue: from the allocation's submission (or requeue) to its start, Slurm's own Submit and
   Start (where there is accounting; else from the requeue event to the next attempt's start);
 - restart: from the fault found (hang verdict, kill, failure) to the restarted ranks' start, inside the
@@ -51,12 +52,16 @@ def attempt_rows(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mappi
     this), not its spares nor a failed node it left out; None: all `nodes`."""
     starts = [e for e in events if e["event"] == "start"]
     rows = []
+    held, allocations = nodes, set()
     for i, start in enumerate(starts):
         later = starts[i + 1] if i + 1 < len(starts) else None
         kept_until = later["step"] if later is not None else (final_step or start["step"])
         trained = (int(start["world_size"]) / ranks_per_node if ranks_per_node and start.get("world_size")
                    else nodes)
-        rows.append(_attempt_row(start, later, events, train_rows, nodes, kept_until, trained))
+        allocation = (start.get("job_id"), start.get("restart_count", 0))
+        held = _nodes_held(events, start, held) if allocation in allocations else nodes
+        allocations.add(allocation)
+        rows.append(_attempt_row(start, later, events, train_rows, held, kept_until, trained))
     _share_allocations(rows, starts, accounting)
     _waits(rows, events, accounting)
     return rows
@@ -135,16 +140,28 @@ def _seconds_per_step(rows: Sequence[Mapping[str, Any]]) -> float | None:
     return round(statistics.median(paces), 4) if paces else None
 
 
-def _allocations(accounting: Sequence[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
-    """Attempt → sacct's allocation record of that run of the job."""
-    return {int(r["Attempt"]): r for r in accounting if "NNodes" in r and "." not in str(r["JobID"])}
+def _nodes_held(events: Sequence[Mapping[str, Any]], start: Mapping[str, Any], before: int) -> int:
+    """The nodes an allocation holds after the restart inside it that `start` followed: what its `restart`
+    event kept (`nodes_held`, where it gave left-out nodes back), else `before`."""
+    restart = next((e for e in reversed(events) if e["event"] == "restart" and e["time"] <= start["time"]),
+                   None)
+    return int(restart.get("nodes_held") or before) if restart is not None else before
+
+
+def _allocations(accounting: Sequence[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
+    """Attempt → sacct's allocation records of that run of the job (more than one where it shrank)."""
+    found: dict[int, list[Mapping[str, Any]]] = {}
+    for r in accounting:
+        if "NNodes" in r and "." not in str(r["JobID"]):
+            found.setdefault(int(r["Attempt"]), []).append(r)
+    return found
 
 
 def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str, Any]],
                        accounting: Sequence[Mapping[str, Any]]) -> None:
     """Number the attempts inside one allocation (`launch`) and give them its node-seconds: each from its
-    start to the next one's, the last what is left of the allocation (sacct's Elapsed × NNodes, where there
-    is accounting; else its own span)."""
+    start to the next one's × the nodes held then, the last what is left of the allocation (sacct's Elapsed
+    × NNodes summed over its sizes, where there is accounting; else its own span)."""
     allocations = _allocations(accounting)
     groups: dict[tuple[Any, int], list[int]] = {}
     for i, start in enumerate(starts):
@@ -152,12 +169,12 @@ def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str,
     for (_, attempt), members in groups.items():
         for launch, i in enumerate(members):
             rows[i]["launch"] = launch
-        record = allocations.get(attempt)
-        nodes = int(record["NNodes"] or 1) if record else rows[members[0]]["nodes"]
+        records = allocations.get(attempt)
         for i in members[:-1]:  # held from its start to the next one's: the restart between them included
-            rows[i]["allocated_node_s"] = round((rows[i + 1]["began"] - rows[i]["began"]) * nodes, 1)
-        if record is not None:
-            total = float(record["ElapsedSeconds"]) * nodes
+            rows[i]["allocated_node_s"] = round((rows[i + 1]["began"] - rows[i]["began"]) * rows[i]["nodes"],
+                                                1)
+        if records:
+            total = sum(float(r["ElapsedSeconds"]) * int(r["NNodes"] or 1) for r in records)
             rows[members[-1]]["allocated_node_s"] = round(
                 max(0.0, total - sum(rows[i]["allocated_node_s"] for i in members[:-1])), 1)
         for i in members:
@@ -178,8 +195,8 @@ def _waits(rows: list[dict[str, Any]], events: Sequence[Mapping[str, Any]],
                 found = float(restart.get("fault_time") or restart["time"])
                 row["restart_s"] = round(row["began"] - found, 1)
             continue
-        record = allocations.get(row["attempt"])
-        queued = _queue_seconds(record) if record else None
+        records = allocations.get(row["attempt"])
+        queued = _queue_seconds(records[0]) if records else None
         if queued is None and i:  # no accounting: from the requeue that ended the attempt before
             requeue = next((e for e in reversed(events) if e["event"] == "requeue"
                             and e["time"] <= row["began"]), None)

@@ -307,7 +307,8 @@ def sacct_records(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELD
     asked for, `ElapsedSeconds`.
 
     With --duplicates every run of a requeued job is its own allocation record (State REQUEUED for all
-    but the last): `Attempt` numbers them; a step carries its allocation's attempt.
+    but the last): `Attempt` numbers them; a step carries its allocation's attempt. A run whose allocation
+    shrank (`scontrol update NodeList=`) has a record per size, all but the last RESIZING: one attempt.
     """
     fields = _asked(fields)
     cmd = ["sacct", "-P", "-n", "--duplicates", "-o", ",".join(fields)]
@@ -316,10 +317,14 @@ def sacct_records(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELD
     lines = [line.split("|") for line in (answer.output if answer.ok else "").splitlines() if line.strip()]
     records = [dict(zip(fields, values)) for values in lines if len(values) == len(fields)]
     runs: dict[str, int] = {}  # allocation records seen per job id (array tasks are their own jobs)
+    resized: set[str] = set()  # jobs whose last allocation record a resize ended: the next one goes on
     for record in records:
         base = record["JobID"].split(".")[0]
         if "." not in record["JobID"]:  # an allocation record: the next attempt of that job
-            runs[base] = runs.get(base, -1) + 1
+            runs[base] = runs.get(base, -1) + (base not in resized)
+            resized.discard(base)
+            if record["State"] == "RESIZING":
+                resized.add(base)
         record["Attempt"] = runs.get(base, 0)
         if "Elapsed" in record:
             record["ElapsedSeconds"] = elapsed_seconds(record["Elapsed"])

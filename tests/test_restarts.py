@@ -25,8 +25,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from taehv_slurm.goodput import attempt_rows
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.steps import Placement
+from taehv_slurm.slurm import expand_hosts, job_info
 from taehv_slurm.training import submit_training
 from tests.helpers import events, make_cluster, metrics, quick_train, rank_record, wait_done, wait_for
 
@@ -96,6 +98,9 @@ def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(jobs: Jobs
     assert restart["cause"] == "killed" and restart["left_out"] == [host]
     assert host not in restart["nodes"] and len(restart["nodes"]) == 2 and host in restart["nodes_before"]
     assert restart["world_before"] == restart["world_after"] == 4  # the spare keeps the world size
+    # the node left out went back to Slurm at once (the batch script's node and the spare stay)
+    assert (restart["released"], restart["nodes_held"]) == ([host], 2), restart
+    assert host not in expand_hosts(job_info(handle.job_id)["NodeList"])
     assert restart["failed_at_step"] - restart["step"] <= CKPT_EVERY  # at most a checkpoint interval lost
     start = next(e for e in events(handle, "start") if e["segment"] == restart["segment"] + 1)
     assert (start["job_id"], start["world_size"], start["step"]) == (handle.job_id, 4, restart["step"])
@@ -105,15 +110,19 @@ def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(jobs: Jobs
     assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
     assert logged_once_each(handle, 160)
     assert host not in {rank_record(handle, r)["host"] for r in range(4)}  # the last step's ranks
-    # goodput: one row per job step of the one allocation; the restart's seconds apart from the queue's
+    # goodput: one row per job step of the one allocation; the restart's seconds apart from the queue's;
+    # the allocation's node-seconds as Slurm counted them: 3 nodes (the spare included) until the release,
+    # 2 after it (sacct: a RESIZING record, then the job's own)
     accounting = handle.accounting()
-    (allocation,) = accounting[~accounting["JobID"].str.contains(".", regex=False)].to_dict("records")
+    sizes = accounting[~accounting["JobID"].str.contains(".", regex=False)].to_dict("records")
+    assert [(r["State"], int(r["NNodes"]), r["Attempt"]) for r in sizes] == [("RESIZING", 3, 0),
+                                                                             ("COMPLETED", 2, 0)]
     goodput = handle.goodput()
     assert list(goodput["attempt"]) == [0, 0] and list(goodput["launch"]) == [0, 1]
+    assert list(goodput["nodes"]) == [3, 2]
     assert 0 <= goodput["restart_s"].iloc[1] <= first["time"] - killed_at  # fault found → ranks started
     assert goodput["queue_s"].iloc[0] >= 0 and goodput["restart_s"].isna().iloc[0]
-    held = allocation["ElapsedSeconds"] * int(allocation["NNodes"])  # the spare included: 3 nodes
-    assert int(allocation["NNodes"]) == 3
+    held = sum(r["ElapsedSeconds"] * int(r["NNodes"]) for r in sizes)
     assert goodput.attrs["allocated_node_s"] == pytest.approx(held, rel=0.01)
 
 
@@ -142,6 +151,7 @@ def test_without_a_spare_the_run_shrinks_then_grows_back_at_its_requeue(jobs: Jo
     restart, _ = restarted(handle)
     assert restart["cause"] == "killed" and len(restart["nodes"]) == 1
     assert (restart["world_before"], restart["world_after"]) == (4, 2)
+    assert restart["released"] == [victims[0]["host"]] and restart["nodes_held"] == 1  # given back at once
     starts = events(handle, "start")
     shrunk = next(e for e in starts if e["segment"] == restart["segment"] + 1)
     assert shrunk["world_size"] == 2 and shrunk["effective_batch"] == starts[0]["effective_batch"]
@@ -154,6 +164,24 @@ def test_without_a_spare_the_run_shrinks_then_grows_back_at_its_requeue(jobs: Jo
                      "the start after the requeue")[0]
     assert requeue["reason"] == "preempted" and grown["world_size"] == 4  # its full size again
     assert grown["restart_count"] == 1
+
+
+def test_the_node_seconds_of_a_shrunk_allocation_follow_its_sizes() -> None:
+    """A restart gave a node back (3 → 2 held): the first step's share counts 3 nodes, the rest of the
+    allocation what Slurm counted for each size."""
+    events = [{"event": "start", "time": 100.0, "began": 95.0, "step": 0, "world_size": 4, "job_id": "7",
+               "restart_count": 0},
+              {"event": "restart", "time": 200.0, "fault_time": 198.0, "nodes_held": 2, "job_id": "7",
+               "restart_count": 0},
+              {"event": "start", "time": 210.0, "began": 205.0, "step": 10, "world_size": 4, "job_id": "7",
+               "restart_count": 0}]
+    sizes = [{"JobID": "7", "State": "RESIZING", "NNodes": "3", "ElapsedSeconds": 110.0, "Attempt": 0,
+              "Submit": "2026-11-28T10:00:00", "Start": "2026-11-28T10:00:05"},
+             {"JobID": "7", "State": "COMPLETED", "NNodes": "2", "ElapsedSeconds": 300.0, "Attempt": 0,
+              "Submit": "2026-11-28T10:01:55", "Start": "2026-11-28T10:01:55"}]
+    rows = attempt_rows(events, [], 3, 20, sizes)
+    assert [(r["launch"], r["nodes"], r["allocated_node_s"]) for r in rows] == [(0, 3, 330.0), (1, 2, 600.0)]
+    assert rows[0]["queue_s"] == 5.0 and rows[1]["restart_s"] == 7.0  # the queue from the first size's times
 
 
 def test_a_placement_takes_spares_first_then_shrinks_to_its_floor() -> None:

@@ -62,6 +62,11 @@ class RankBackend:
         """Seconds until the job's time limit, None when unknown or unlimited."""
         return None
 
+    def release_nodes(self, job_id: str, nodes: Sequence[str]) -> dict[str, Any]:
+        """Give `nodes` of the running job's allocation back (nodes a restart left out): the restart
+        event's fields, `released` or `release_error`; nothing where the backend holds no allocation."""
+        return {}
+
     def lock_holder_live(self, holder: dict[str, Any]) -> str | None:
         """'job 123 (RUNNING)' while the job recorded in a run lock (of any backend) may still run, else
         None."""

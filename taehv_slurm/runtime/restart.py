@@ -6,7 +6,8 @@ the ranks start again inside the allocation the job holds (taehv_slurm.runtime.s
   - after a hang, a rank killed from outside, or a hardware error: without that node, a spare node taking
     its place (`spare_nodes`), else on fewer nodes at the same effective batch (`min_nodes`);
 from the newest checkpoint, as one more attempt of the same job (same job id; a `restart` event: cause,
-nodes left out, world size before and after, when the fault was found). The job is requeued as before when
+nodes left out, world size before and after, when the fault was found). The nodes left out go back to
+Slurm (`released`): the job no longer holds them idle. The job is requeued as before when
 no usable set of nodes is left or the time limit is too near for a restart to pay off, and stops when the
 guards say the failure would repeat. A failure that ends the run (a diverged run, a failure before training
 started) ends the job as before.
@@ -132,15 +133,19 @@ def restart_or_requeue(task: RequeueableTask, events: EventLog, run_dir: Path, j
         return status
     saved = Checkpointer(run_dir / "checkpoints").read_meta()
     tasks_per_node = task.placement.tasks_per_node
+    released = task.backend.release_nodes(job_id, before + now) if before + now else {}
     events.write("restart", segment=segment, cause=fault["cause"], step=saved["step"] if saved else 0,
                  failed_at_step=fault["step"], excluded=before + now, left_out=now, nodes=nodes,
                  nodes_before=sorted({r["host"] for r in records}),
                  world_before=len(records) or None, world_after=len(nodes) * tasks_per_node,
                  fault_time=fault["time"],
                  seconds_lost=round(time.time() - max(saved["saved_at"] if saved else 0.0, fault["time"]), 1),
-                 job_id=job_id, restart_count=restart, launch=launch + 1)
+                 job_id=job_id, restart_count=restart, launch=launch + 1, **released)
     print(f"[taehv] {fault['cause']}: starting the ranks again inside the allocation on {','.join(nodes)}"
-          + (f" (left out: {','.join(now)})" if now else ""), flush=True)
+          + (f" (left out: {','.join(now)})" if now else "")
+          + (f"; {','.join(released['released'])} given back to Slurm" if released.get("released") else "")
+          + (f"; could not give the left-out nodes back: {released['release_error']}"
+             if released.get("release_error") else ""), flush=True)
     write_step(os.environ["SUBMITIT_FOLDER"], job_id, task.placement, nodes)
     return RESTART_EXIT_CODE
 
