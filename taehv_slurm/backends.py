@@ -199,7 +199,7 @@ class SlurmBackend(Backend):
         drop = [n for n in dict.fromkeys(nodes) if n in held and n != info.get("BatchHost")]
         if not drop:
             return {}
-        answer = slurm.update_job(job_id, NodeList=",".join(n for n in held if n not in drop))
+        answer = slurm.shrink_job(job_id, [n for n in held if n not in drop])
         if not answer.ok:
             return {"release_error": f"scontrol update JobId={job_id} NodeList=...: {answer.error}"}
         return {"released": drop, "nodes_held": len(held) - len(drop)}

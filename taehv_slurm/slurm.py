@@ -18,6 +18,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,7 +75,8 @@ class Answer:
     error: str = ""
 
 
-def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False) -> Answer:
+def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False,
+        cwd: str | os.PathLike | None = None) -> Answer:
     """Run a Slurm command; its failure (missing binary, non-zero exit, timeout) becomes an Answer.
     survive_term: the command ignores SIGTERM — for the commands a job runs on itself to requeue itself
     (`scontrol requeue`, `requeuehold` and what follows it): Slurm's SIGTERM to the job's processes on
@@ -87,7 +89,8 @@ def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False) 
     # and left the job held for good.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if survive_term else None
     try:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   cwd=cwd)
     except FileNotFoundError:
         return Answer(False, error=f"{argv[0]} not found (not installed here, or not on PATH)")
     finally:
@@ -132,12 +135,13 @@ def squeue_state(job_id: str) -> str | None:
     return states[0] if states else None
 
 
-def run_scontrol(*args: str, timeout_s: float = 60, survive_term: bool = False) -> Answer:
+def run_scontrol(*args: str, timeout_s: float = 60, survive_term: bool = False,
+                 cwd: str | os.PathLike | None = None) -> Answer:
     """`scontrol ARGS` with the scontrol found when the job started (`scontrol()`); see `run`."""
     binary = scontrol()
     if binary is None:
         return Answer(False, error=f"scontrol not found (not on PATH, and ${SCONTROL_ENV} is not set)")
-    return run([binary, *args], timeout_s=timeout_s, survive_term=survive_term)
+    return run([binary, *args], timeout_s=timeout_s, survive_term=survive_term, cwd=cwd)
 
 
 def job_info(job_id: str, timeout_s: float = 30, survive_term: bool = False) -> dict[str, str] | Answer:
@@ -194,6 +198,14 @@ def update_job(job_id: str, survive_term: bool = False, **fields: str) -> Answer
     """`scontrol update JobId=JOB KEY=VALUE ...` (e.g. ExcNodeList of a pending job)."""
     return run_scontrol("update", f"JobId={job_id}", *(f"{k}={v}" for k, v in fields.items()),
                         survive_term=survive_term)
+
+
+def shrink_job(job_id: str, keep: Sequence[str]) -> Answer:
+    """A running job keeps only the nodes `keep` (`scontrol update JobId=JOB NodeList=...`). scontrol
+    writes scripts that reset the job's environment (slurm_job_JOB_resize.sh, .csh) into its working
+    directory: a scratch one, not the user's."""
+    with tempfile.TemporaryDirectory(prefix="taehv-resize-") as scratch:
+        return run_scontrol("update", f"JobId={job_id}", f"NodeList={','.join(keep)}", cwd=scratch)
 
 
 def expand_hosts(text: str | None) -> list[str]:

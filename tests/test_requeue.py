@@ -165,13 +165,14 @@ def assert_one_tracker_run(run_dir: Path, attempts: int, side: int) -> None:
 def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -> None:
     # The shortest limit the config allows: USR2 45 s before a 2-minute limit comes 15-75 s into each run
     # (Slurm may send it up to 60 s early), so the run needs several.
-    # One rank (the preemption test above resumes two), to spare the suite's CPU: 60 steps of 4 micro-batches
-    # take ~36 s on an idle core (0.6 s a step), and the first attempt runs on a slow node (stopped 80 % of
-    # the time, from outside) until its first requeue, so it trains past the latest first warning (75 s)
-    # without the CPU of 75 s of steps (before: 150 steps, here and in the reference).
+    # One rank (the preemption test above resumes two), to spare the suite's CPU: 30 steps of 4 micro-batches
+    # take ~18 s on an idle core (0.6 s a step), and the first attempt runs on a slow node (stopped 80 % of
+    # the time, from outside: ~3 s a step) until its first requeue, so it trains past the latest first
+    # warning (75 s) without the CPU of 75 s of steps; the next attempt or two finish (60 steps took 7 min).
     short = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=2, signal_delay_s=45)
     relaxed = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=30)
-    train = tiny_train(steps=60, **EXACT)
+    steps = 30
+    train = tiny_train(steps=steps, **EXACT)
     reference = submit_training(relaxed, train, "reference")[0]
     timed = submit_training(short, train, "timed")[0]
     # Beside it, a site whose time-limit warning never arrives (the task drops USR2): at the limit only
@@ -188,7 +189,7 @@ def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -
     assert requeues and all((e["reason"], e["by"]) == ("timeout", "self") for e in requeues)
     # each recorded requeue happened
     assert sacct_states(timed) == ["REQUEUED"] * len(requeues) + ["COMPLETED"]
-    assert trained_steps(timed.run_dir) == list(range(1, 61))
+    assert trained_steps(timed.run_dir) == list(range(1, steps + 1))
     assert wait_done(no_warning.job_id, 600) == "COMPLETED", no_warning.tail(60)
     sigterm = events(no_warning, "requeue")
     assert sigterm and all((e["reason"], e["by"]) == ("timeout", "self") for e in sigterm)  # not "preempted"

@@ -22,6 +22,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -100,7 +101,10 @@ def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(jobs: Jobs
     assert restart["world_before"] == restart["world_after"] == 4  # the spare keeps the world size
     # the node left out went back to Slurm at once (the batch script's node and the spare stay)
     assert (restart["released"], restart["nodes_held"]) == ([host], 2), restart
-    assert host not in expand_hosts(job_info(handle.job_id)["NodeList"])
+    job = job_info(handle.job_id)
+    assert host not in expand_hosts(job["NodeList"])
+    # scontrol's scripts for a resized job's environment are not left in the job's (the user's) folder
+    assert not list(Path(job["WorkDir"]).glob(f"slurm_job_{handle.job_id}_resize.*"))
     assert restart["failed_at_step"] - restart["step"] <= CKPT_EVERY  # at most a checkpoint interval lost
     start = next(e for e in events(handle, "start") if e["segment"] == restart["segment"] + 1)
     assert (start["job_id"], start["world_size"], start["step"]) == (handle.job_id, 4, restart["step"])
