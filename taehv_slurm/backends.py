@@ -222,7 +222,9 @@ class SlurmBackend(Backend):
             return Outcome("requeue_failed", {"error": f"scontrol show job: {info.error}",
                                               "fix": slurm.requeue_fix(info.error)})
         before = slurm.expand_hosts(info.get("ExcNodeList"))
-        room = slurm.partition_size(info.get("Partition", "")) - int(info.get("NumNodes") or 1) - len(before)
+        # the job's full size: a restart that gave nodes back lowered NumNodes, not what a requeue asks for
+        size = max(int(info.get("NumNodes") or 1), int(os.environ.get("SLURM_JOB_NUM_NODES") or 1))
+        room = slurm.partition_size(info.get("Partition", "")) - size - len(before)
         wanted = [n for n in dict.fromkeys(nodes) if n not in before][: max(0, room)]
         answer = slurm.requeue(job_id, hold=True, survive_term=True)
         if not answer.ok:

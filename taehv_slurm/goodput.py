@@ -174,13 +174,38 @@ def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str,
             rows[i]["allocated_node_s"] = round((rows[i + 1]["began"] - rows[i]["began"]) * rows[i]["nodes"],
                                                 1)
         if records:
-            total = sum(float(r["ElapsedSeconds"]) * int(r["NNodes"] or 1) for r in records)
+            total = _node_seconds(records, rows[members[-1]])
             rows[members[-1]]["allocated_node_s"] = round(
                 max(0.0, total - sum(rows[i]["allocated_node_s"] for i in members[:-1])), 1)
         for i in members:
             productive = rows[i]["productive_node_s"]
             rows[i]["ettr"] = (round(productive / rows[i]["allocated_node_s"], 4)
                                if productive is not None and rows[i]["allocated_node_s"] else None)
+
+
+def _node_seconds(records: Sequence[Mapping[str, Any]], last: Mapping[str, Any]) -> float:
+    """Elapsed × NNodes over an allocation's records (one per size). Slurm gives a shrunk job that is then
+    requeued no record of its own: its last record runs on through the time it waits in the queue (seen on
+    the testbed), so that one counts only until the attempt ended (`last`, its last launch's row)."""
+    total = 0.0
+    for i, record in enumerate(records):
+        seconds = float(record["ElapsedSeconds"])
+        if i and i == len(records) - 1 and str(last["end"]).startswith("requeue"):
+            started = _epoch(record.get("Start"))
+            if started is not None:
+                seconds = min(seconds, max(0.0, float(last["ended"]) - started))
+        total += seconds * int(record["NNodes"] or 1)
+    return total
+
+
+def _epoch(text: Any) -> float | None:
+    """sacct's local time ('2026-11-28T10:00:05') as epoch seconds, None where it is not a time."""
+    import datetime
+
+    try:
+        return datetime.datetime.fromisoformat(str(text)).timestamp()
+    except ValueError:
+        return None
 
 
 def _waits(rows: list[dict[str, Any]], events: Sequence[Mapping[str, Any]],

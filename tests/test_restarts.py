@@ -16,6 +16,7 @@ Without a spare and with `min_nodes` at `nodes` (the default), a lost node still
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import subprocess
@@ -145,6 +146,18 @@ def test_a_stopped_rank_is_named_and_its_node_replaced_by_the_spare(jobs: Jobs) 
     until = restart["step"] + 20
     wait_for(lambda: (rank_record(handle, 0).get("step") or 0) > until, 300, "training after the restart")
     assert logged_once_each(handle, until)
+    # The spare's node lost as well: no usable set is left (min_nodes 2), so the job requeues — at its full
+    # size, though the restart gave a node back (Slurm's NumNodes shrank): excluding the node as well would
+    # leave the partition too small for it, and it would wait in the queue for good.
+    spare = [r for r in map(lambda rank: rank_record(handle, rank), range(4))
+             if r["host"] not in (victim["host"], rank_record(handle, 0)["host"])]
+    assert len(spare) == 2, spare
+    for record in spare:
+        os.kill(record["pid"], signal.SIGKILL)
+    (requeue,) = wait_for(lambda: events(handle, "requeue"), 300, "the requeue")
+    again = wait_for(lambda: [e for e in events(handle, "start") if e["restart_count"] == 1], 300,
+                     "the start after the requeue")[0]
+    assert again["world_size"] == 4 and requeue.get("excluded_now", []) == [], requeue
 
 
 def test_without_a_spare_the_run_shrinks_then_grows_back_at_its_requeue(jobs: Jobs) -> None:
@@ -186,6 +199,16 @@ def test_the_node_seconds_of_a_shrunk_allocation_follow_its_sizes() -> None:
     rows = attempt_rows(events, [], 3, 20, sizes)
     assert [(r["launch"], r["nodes"], r["allocated_node_s"]) for r in rows] == [(0, 3, 330.0), (1, 2, 600.0)]
     assert rows[0]["queue_s"] == 5.0 and rows[1]["restart_s"] == 7.0  # the queue from the first size's times
+    # requeued after the shrink: Slurm's last record runs on while the job waits in the queue (900 s here);
+    # it counts until the requeue (200 s after the resize began it)
+    resized_at = datetime.datetime.fromtimestamp(1_800_000_200).isoformat(timespec="seconds")
+    moved = [{**e, "time": e["time"] + 1_800_000_000, **({"began": e["began"] + 1_800_000_000}
+                                                         if "began" in e else {})} for e in events]
+    requeued = [*moved, {"event": "requeue", "time": 1_800_000_400.0, "reason": "hang", "job_id": "7",
+                         "restart_count": 0}]
+    waited = [sizes[0], {**sizes[1], "State": "REQUEUED", "ElapsedSeconds": 900.0, "Start": resized_at}]
+    rows = attempt_rows(requeued, [], 3, 20, waited)
+    assert [r["allocated_node_s"] for r in rows] == [330.0, 3 * 110.0 + 2 * 200.0 - 330.0]
 
 
 def test_a_placement_takes_spares_first_then_shrinks_to_its_floor() -> None:
