@@ -126,7 +126,7 @@ def main() -> None:
         if out.returncode:
             sys.exit(f"error: taehv status {job} failed: {out.stderr.strip()}")
         rows = json.loads(out.stdout)
-        results[name] = {"job_id": job, "attempts": rows, **totals(rows)}
+        results[name] = {"job_id": job, "rows": rows, **totals(rows)}
         print(f"{name}: {json.dumps(totals(rows))}", flush=True)
     write_results(args.out, "fault_schedule", {"info": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                                         "device": "cpu", **code_version()},

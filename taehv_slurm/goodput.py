@@ -62,7 +62,7 @@ def attempt_rows(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mappi
         held = _nodes_held(events, start, held) if allocation in allocations else nodes
         allocations.add(allocation)
         rows.append(_attempt_row(start, later, events, train_rows, held, kept_until, trained))
-    _share_allocations(rows, starts, accounting)
+    _share_allocations(rows, starts, events, accounting)
     _waits(rows, events, accounting)
     return rows
 
@@ -158,7 +158,7 @@ def _allocations(accounting: Sequence[Mapping[str, Any]]) -> dict[int, list[Mapp
 
 
 def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str, Any]],
-                       accounting: Sequence[Mapping[str, Any]]) -> None:
+                       events: Sequence[Mapping[str, Any]], accounting: Sequence[Mapping[str, Any]]) -> None:
     """Number the attempts inside one allocation (`launch`) and give them its node-seconds: each from its
     start to the next one's × the nodes held then, the last what is left of the allocation (sacct's Elapsed
     × NNodes summed over its sizes, where there is accounting; else its own span)."""
@@ -174,7 +174,10 @@ def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str,
             rows[i]["allocated_node_s"] = round((rows[i + 1]["began"] - rows[i]["began"]) * rows[i]["nodes"],
                                                 1)
         if records:
-            total = _node_seconds(records, rows[members[-1]])
+            last = rows[members[-1]]
+            requeue = next((e for e in events if e["event"] == "requeue" and e["time"] >= last["began"]
+                            and e.get("job_id") == starts[members[-1]].get("job_id")), None)
+            total = _node_seconds(records, requeue["time"] if requeue is not None else None)
             rows[members[-1]]["allocated_node_s"] = round(
                 max(0.0, total - sum(rows[i]["allocated_node_s"] for i in members[:-1])), 1)
         for i in members:
@@ -183,17 +186,16 @@ def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str,
                                if productive is not None and rows[i]["allocated_node_s"] else None)
 
 
-def _node_seconds(records: Sequence[Mapping[str, Any]], last: Mapping[str, Any]) -> float:
-    """Elapsed × NNodes over an allocation's records (one per size). Slurm gives a shrunk job that is then
-    requeued no record of its own: its last record runs on through the time it waits in the queue (seen on
-    the testbed), so that one counts only until the attempt ended (`last`, its last launch's row)."""
+def _node_seconds(records: Sequence[Mapping[str, Any]], requeued_at: float | None) -> float:
+    """Elapsed × NNodes over an allocation's records (one per size). Slurm keeps no record of its own for
+    a shrunk job's later runs: once requeued, its last record runs on through the queue and the runs after
+    (seen on the testbed), so that one counts only until the requeue (`requeued_at`, epoch seconds)."""
     total = 0.0
     for i, record in enumerate(records):
         seconds = float(record["ElapsedSeconds"])
-        if i and i == len(records) - 1 and str(last["end"]).startswith("requeue"):
-            started = _epoch(record.get("Start"))
-            if started is not None:
-                seconds = min(seconds, max(0.0, float(last["ended"]) - started))
+        started = _epoch(record.get("Start"))
+        if i and i == len(records) - 1 and requeued_at is not None and started is not None:
+            seconds = min(seconds, max(0.0, requeued_at - started))
         total += seconds * int(record["NNodes"] or 1)
     return total
 

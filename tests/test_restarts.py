@@ -199,13 +199,14 @@ def test_the_node_seconds_of_a_shrunk_allocation_follow_its_sizes() -> None:
     rows = attempt_rows(events, [], 3, 20, sizes)
     assert [(r["launch"], r["nodes"], r["allocated_node_s"]) for r in rows] == [(0, 3, 330.0), (1, 2, 600.0)]
     assert rows[0]["queue_s"] == 5.0 and rows[1]["restart_s"] == 7.0  # the queue from the first size's times
-    # requeued after the shrink: Slurm's last record runs on while the job waits in the queue (900 s here);
-    # it counts until the requeue (200 s after the resize began it)
+    # a hang after the shrink, then a requeue: Slurm's last record runs on through the queue and the next run
+    # (900 s here); it counts until the requeue (200 s after the resize began it)
     resized_at = datetime.datetime.fromtimestamp(1_800_000_200).isoformat(timespec="seconds")
     moved = [{**e, "time": e["time"] + 1_800_000_000, **({"began": e["began"] + 1_800_000_000}
                                                          if "began" in e else {})} for e in events]
-    requeued = [*moved, {"event": "requeue", "time": 1_800_000_400.0, "reason": "hang", "job_id": "7",
-                         "restart_count": 0}]
+    requeued = [*moved, {"event": "hang", "time": 1_800_000_398.0, "job_id": "7"},
+                {"event": "requeue", "time": 1_800_000_400.0, "reason": "hang", "job_id": "7",
+                 "restart_count": 0}]
     waited = [sizes[0], {**sizes[1], "State": "REQUEUED", "ElapsedSeconds": 900.0, "Start": resized_at}]
     rows = attempt_rows(requeued, [], 3, 20, waited)
     assert [r["allocated_node_s"] for r in rows] == [330.0, 3 * 110.0 + 2 * 200.0 - 330.0]
