@@ -7,7 +7,7 @@
 #
 # cluster: the nodes get their own GPUs (one test); scaling: bench/slurm_scaling.py over 1x1 1x2 2x1 2xG;
 # engines: ZeRO-1/2/3 at the largest shape; tests / faults: tests/test_gpu_cluster.py, without / with the
-# faults (as many at once as a node has GPUs; FAULTS="killed or timed" picks some, as pytest's -k). Wheels
+# faults (as many at once as a node has GPUs; FAULTS="killed or timed" picks some, as pytest's -k);
 # slowrank: bench/slow_rank_faults.py through Slurm on 2 nodes (SLOW="host,data" picks faults). Wheels
 # missing from the machine's Python may be carried in .whl/ (installed into /tmp/site).
 set -uo pipefail

@@ -38,19 +38,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
-from tests.helpers import children, slowed_down, wait_for  # noqa: E402
+from tests.helpers import children, rank_record, slowed_down, wait_for  # noqa: E402
 
 FAULTS = ("host", "data", "GPU", "none")
 TINY = {"teacher.kind": "none", "data.height": 32, "data.width": 32, "intervals.log_every": 2,
         "data.num_workers": 1, "data.prefetch_factor": 1}
-
-
-def rank_record(run_dir: Path, rank: int) -> dict[str, Any]:
-    """The rank's record (host, pid, step), {} before it has written one."""
-    try:
-        return json.loads((run_dir / "ranks" / f"{rank}.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return {}
 
 
 def cluster_file(work: Path, args: argparse.Namespace, fault: str) -> Path:

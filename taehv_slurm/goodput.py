@@ -233,13 +233,8 @@ def _waits(rows: list[dict[str, Any]], events: Sequence[Mapping[str, Any]],
 
 def _queue_seconds(record: Mapping[str, Any]) -> float | None:
     """sacct's Start − Submit of an allocation record (Slurm's own times), None where either is unknown."""
-    import datetime
-
-    try:
-        start, submit = (datetime.datetime.fromisoformat(str(record[k])) for k in ("Start", "Submit"))
-    except (KeyError, ValueError):
-        return None
-    return (start - submit).total_seconds()
+    start, submit = _epoch(record.get("Start")), _epoch(record.get("Submit"))
+    return None if start is None or submit is None else start - submit
 
 
 def summary(frame: pd.DataFrame) -> str:

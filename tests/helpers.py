@@ -110,11 +110,11 @@ def events(handle: Any, kind: str | None = None) -> list[dict[str, Any]]:
     return [e for e in handle.events(run_wide=True) if kind is None or e["event"] == kind]
 
 
-def rank_record(handle: Any, rank: int) -> dict[str, Any]:
-    """The rank's record in the run folder ({} before it has written one)."""
+def rank_record(run: Any, rank: int) -> dict[str, Any]:
+    """The rank's record in the run folder (`run`: a JobHandle or the folder); {} before it wrote one."""
     try:
-        return json.loads((Path(handle.run_dir) / "ranks" / f"{rank}.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return json.loads((Path(getattr(run, "run_dir", run)) / "ranks" / f"{rank}.json").read_text())
+    except (OSError, ValueError):
         return {}
 
 

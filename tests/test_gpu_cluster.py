@@ -37,7 +37,7 @@ import pytest
 
 from taehv_slurm.config import load_cluster, load_train
 from taehv_slurm.plan import plan_for_cluster
-from tests.helpers import REPO, job_state, metrics, wait_for
+from tests.helpers import REPO, job_state, metrics, rank_record, wait_for
 from tests.slurm_testbed import Testbed
 from tests.slurm_testbed_gpus import host_gpus, shares_gpus
 
@@ -180,13 +180,6 @@ def run_events(run_dir: Path, kind: str) -> list[dict]:
     return [e for e in map(json.loads, lines) if e["event"] == kind]
 
 
-def rank_of(run_dir: Path, rank: int) -> dict:
-    try:
-        return json.loads((run_dir / "ranks" / f"{rank}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def final_state(job_id: str) -> str:
     return wait_for(lambda: (s := job_state(job_id)) in ("COMPLETED", "FAILED", "CANCELLED") and s, 900,
                     f"job {job_id} to end")
@@ -201,7 +194,7 @@ def logged_once(run_dir: Path, steps: int) -> bool:
 def test_fault_preemption_saves_on_both_nodes_and_resumes(gpu_cluster: Testbed, tmp_path: Path) -> None:
     job = fault_run(gpu_cluster, "preempted", tmp_path, 60)
     run_dir = tmp_path / "preempted"
-    wait_for(lambda: (rank_of(run_dir, 1).get("step") or 0) >= 15, 600, "training on both nodes")
+    wait_for(lambda: (rank_record(run_dir, 1).get("step") or 0) >= 15, 600, "training on both nodes")
     subprocess.run(["scontrol", "requeue", job], check=True)
     (requeue,) = wait_for(lambda: run_events(run_dir, "requeue"), 300, "the requeue")
     assert requeue["reason"] == "preempted" and requeue["signal_to_saved_s"] < 10
@@ -225,7 +218,7 @@ def test_fault_stopped_rank_on_node_2_is_named_and_the_run_goes_on_without_it(gp
                                                                                tmp_path: Path) -> None:
     job = fault_run(gpu_cluster, "stopped", tmp_path, 120)
     run_dir = tmp_path / "stopped"
-    victim = wait_for(lambda: (r := rank_of(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
+    victim = wait_for(lambda: (r := rank_record(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
                       "training")
     os.kill(victim["pid"], signal.SIGSTOP)
     (hang,) = wait_for(lambda: run_events(run_dir, "hang"), 300, "the hang verdict")
@@ -245,7 +238,7 @@ def test_fault_every_rank_of_node_2_killed_is_named_and_left_out(gpu_cluster: Te
                                                                  tmp_path: Path) -> None:
     job = fault_run(gpu_cluster, "killed", tmp_path, 120)
     run_dir = tmp_path / "killed"
-    victim = wait_for(lambda: (r := rank_of(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
+    victim = wait_for(lambda: (r := rank_record(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
                       "training")
     os.kill(victim["pid"], signal.SIGKILL)
     (killed,) = wait_for(lambda: run_events(run_dir, "killed"), 300, "the kill to be named")
@@ -266,7 +259,7 @@ def test_fault_spare_node_takes_the_place_of_a_lost_one_inside_the_allocation(gp
         pytest.skip("a spare node needs a 3-node GPU cluster (--nodes 3, TAEHV_GPU_CLUSTER_NODES=3)")
     job = fault_run(gpu_cluster, f"spare-{fault}", tmp_path, 120, "--spare-nodes", "1")
     run_dir = tmp_path / f"spare-{fault}"
-    victim = wait_for(lambda: (r := rank_of(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
+    victim = wait_for(lambda: (r := rank_record(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
                       "training")
     struck_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
@@ -281,7 +274,7 @@ def test_fault_spare_node_takes_the_place_of_a_lost_one_inside_the_allocation(gp
                                                                                 first["seconds"])
     assert not run_events(run_dir, "requeue") and str(first["job_id"]) == job  # it never left the allocation
     assert final_state(job) == "COMPLETED" and logged_once(run_dir, 120)
-    ends = {rank_of(run_dir, r)["host"] for r in range(2)}  # the last step's ranks: the spare among them
+    ends = {rank_record(run_dir, r)["host"] for r in range(2)}  # the last step's ranks: the spare among them
     assert victim["host"] not in ends and len(ends) == 2
 
 

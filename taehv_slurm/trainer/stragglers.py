@@ -185,23 +185,21 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
                       f"every rank arrives together, but the step's collectives take {wait[rank]:.3f} s per "
                       f"step ({_share(wait[rank], step)}): a slow link, switch or network between the ranks "
                       "(`taehv preflight --job` measures the bus bandwidth)")
-    extra = {"data": excess(data), "stall": excess(stall), "compute": excess(compute)}
-    figures_over = {**extra, "host": excess(host_s)}
+    extra = {"data": excess(data), "stall": excess(stall), "compute": excess(compute), "host": excess(host_s)}
+    over = {name: extra[name] for name in ("data", "stall", "compute")}  # the candidate causes
     if compute_name == "GPU":
         # The device time is measured between CUDA events, and a host that launches the step's work late
         # (slow, starved) or waits for a later micro-batch's data leaves the device idle between them (2
         # ranks through Slurm on an H200, loader workers stopped: +3.17 s of data wait and +3.19 s of "GPU"
         # per step). The compute counts only beyond the rank's extra host time and data wait.
-        over = {**extra, "compute": extra["compute"] - max(0.0, figures_over["host"])
-                - max(0.0, extra["data"])}
+        over["compute"] -= max(0.0, extra["host"]) + max(0.0, extra["data"])
     else:
         # On a CPU the compute is the host's own CPU time: where the host is shared, each CPU-second of it
         # also costs the wall time it waits for a core (the others' wall per CPU-second, k), so a rank with
         # more compute stalls more too. Its stall counts only beyond k's share.
         k = statistics.median((compute[r] + stall[r]) / compute[r] if compute[r] > 0 else 1.0
                               for r in others)
-        over = {**extra, "stall": extra["stall"] - (k - 1) * extra["compute"],
-                "compute": k * extra["compute"]}
+        over.update(stall=extra["stall"] - (k - 1) * extra["compute"], compute=k * extra["compute"])
     key = max(over, key=lambda name: over[name])
     key = key if over[key] >= lost / 2 and over[key] > 0 else "rest"
     cause = {"data": "data", "compute": compute_name}.get(key, "host")
@@ -210,7 +208,7 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
                   f"rank {rank} on {host}: the others wait {lost:.3f} s per step for it "
                   f"({_share(lost, step)}), cause {cause}: "
                   f"{_why(key, compute_name, compute[rank], data[rank], stall[rank], extra)}",
-                  {name: round(value, 4) for name, value in figures_over.items()})
+                  {name: round(value, 4) for name, value in extra.items()})
 
 
 def _why(key: str, compute_name: str, compute: float, data: float, stall: float,
