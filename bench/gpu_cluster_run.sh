@@ -9,7 +9,9 @@
 # engines: ZeRO-1/2/3 at the largest shape; tests / faults: tests/test_gpu_cluster.py, without / with the
 # faults (as many at once as a node has GPUs; FAULTS="killed or timed" picks some, as pytest's -k);
 # slowrank: bench/slow_rank_faults.py through Slurm on 2 nodes (SLOW="host,data" picks faults). Wheels
-# missing from the machine's Python may be carried in .whl/ (installed into /tmp/site).
+# missing from the machine's Python may be carried in .whl/ (installed into /tmp/site). MPS=1 (nodes sharing
+# a GPU) starts CUDA's Multi-Process Service first, so their kernels run side by side on the GPU rather than
+# in turns: a rank's device time then no longer stretches while another rank's collective spins.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1; shift; mkdir -p "$out"
@@ -23,6 +25,25 @@ fi
 bed=${GPU_CLUSTER_DIR:-/tmp/taehv-gpu-cluster}
 # NODES=3 for the spare-node tests; with fewer GPUs than nodes the nodes take turns on them (slurm_testbed_gpus.py)
 nodes=${NODES:-2}; gpus=$(ls /dev | grep -cE '^nvidia[0-9]+$'); per_node=$(( gpus >= nodes ? gpus / nodes : 1 ))
+if [[ ${MPS:-0} == 1 ]]; then  # default pipe folder /tmp/nvidia-mps: every node's tasks (root) find it
+  nvidia-cuda-mps-control -d || exit 1
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+  # a device spin of about 1 s alone, then in two processes at once: about 1 s with MPS, 2 s taking turns
+  python3 - <<'PY' 2>&1 | tee -a "$out/cluster.log"
+import subprocess, sys, time
+spin = ("import torch; torch.cuda.init(); torch.cuda._sleep(1); torch.cuda.synchronize(); print(flush=True); "
+        "input(); torch.cuda._sleep(int(1.9e9)); torch.cuda.synchronize()")
+for n in (1, 2, 1):
+    ps = [subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+          for _ in range(n)]
+    for p in ps: p.stdout.readline()
+    t = time.perf_counter()
+    for p in ps: p.stdin.write("\n"); p.stdin.flush()
+    for p in ps: p.wait()
+    print(f"MPS check: {n} process(es) spinning at once took {time.perf_counter() - t:.2f} s")
+PY
+  echo get_server_list | nvidia-cuda-mps-control | sed 's/^/MPS server: /' | tee -a "$out/cluster.log"
+fi
 debs=(); command -v slurmctld >/dev/null || debs=(--slurm-debs "${SLURM_DEBS:-.slurm-debs}")
 started=$(date +%s)
 python3 -m tests.slurm_testbed start --dir "$bed" --nodes "$nodes" --real-gpus --no-accounting "${debs[@]}" \

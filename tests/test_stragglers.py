@@ -19,6 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -137,36 +142,96 @@ def test_a_slow_loader_is_named_with_cause_data(jobs: Jobs) -> None:
     handle.cancel()
 
 
+# A process that waits (as a rank for its loader) for a line on stdin, three times; prints how long it
+# waited each time and how long HeldOff found it held off the CPU meanwhile.
+WAITER = """
+import sys, time
+from taehv_slurm.trainer.stragglers import HeldOff
+held_off = HeldOff()
+print("ready", flush=True)
+for _ in range(3):
+    began = time.perf_counter()
+    with held_off.watch() as held:
+        sys.stdin.readline()
+    print(round(time.perf_counter() - began, 3), round(held(), 3), flush=True)
+"""
+
+
+def test_a_process_stopped_while_it_waits_is_held_off_not_waiting() -> None:
+    """What lets a rank stopped while it waits for its loader be named `host`, not `data`: SIGSTOP from
+    outside, as a throttled node would; the waiter's loader (here: this test) keeps running."""
+    waiter = subprocess.Popen([sys.executable, "-c", WAITER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert waiter.stdout.readline().strip() == "ready"
+
+        def answer(stop_s: float, then_s: float, during: bool) -> tuple[float, float]:
+            """Stop the waiter for stop_s, then answer it (`during`: while still stopped) after then_s."""
+            time.sleep(0.3)
+            os.kill(waiter.pid, signal.SIGSTOP)
+            time.sleep(stop_s)
+            if during:
+                waiter.stdin.write("go\n")
+                waiter.stdin.flush()
+            os.kill(waiter.pid, signal.SIGCONT)
+            time.sleep(then_s)
+            if not during:
+                waiter.stdin.write("go\n")
+                waiter.stdin.flush()
+            waited, held = map(float, waiter.stdout.readline().split())
+            return waited, held
+
+        waited, held = answer(0.0, 0.5, during=False)  # nothing stopped: a plain wait
+        assert waited >= 0.5 and held < 0.1, (waited, held)
+        waited, held = answer(1.0, 0.5, during=False)  # stopped, then waiting again
+        assert waited >= 1.8 and 0.9 <= held <= 1.2, (waited, held)
+        waited, held = answer(1.0, 0.0, during=True)  # its answer came while it was stopped
+        assert waited >= 1.3 and 0.9 <= held <= 1.2, (waited, held)
+    finally:
+        waiter.kill()
+        waiter.wait()
+
+
 # ----------------------------------------------------------------------- the verdicts on given figures
-# Per rank: step, wait, compute, data, stall, host (seconds per step), as LogWindow.timings() gathers them.
-CLEAN = [0.5, 0.02, 0.45, 0.01, 0.02, 0.1]
+# Per rank: step, wait, compute, data, stall, host, backlog (seconds per step), as LogWindow.timings() gathers
+# them.
+CLEAN = [0.5, 0.02, 0.45, 0.01, 0.02, 0.1, 0.3]
 
 
 def late(rank: int, *figures: str) -> list[list[float]]:
     """Four ranks of a 0.5 s step; `rank` 0.2 s late (the others wait for it) with 0.2 s more of each of
-    `figures` (a stall is host time too)."""
-    rows = [[0.5, 0.22, 0.25, 0.01, 0.02, 0.1] for _ in range(4)]
+    `figures` (a stall is host time too; more compute on a GPU leaves its device that much further behind
+    its host, more backlog)."""
+    rows = [[0.5, 0.22, 0.25, 0.01, 0.02, 0.1, 0.15] for _ in range(4)]
     rows[rank][1] = 0.02
     for figure in figures:
         rows[rank][("compute", "data", "stall", "host").index(figure) + 2] += 0.2
+        if figure == "compute":
+            rows[rank][6] += 0.2
     return rows
 
 
 @pytest.mark.parametrize("figures, device, cause", [
     (late(2, "stall", "host"), "GPU", "host"),  # stopped or starved: off the CPU during its own work
-    # ... which leaves its GPU without work, idle between the events that time the compute: still the host
-    ([[0.5, 0.17, 0.3, 0.01, 0.02, 0.1]] * 2 + [[0.5, 0.02, 0.45, 0.01, 0.12, 0.25],
-                                              [0.5, 0.17, 0.3, 0.01, 0.02, 0.1]], "GPU", "host"),
+    # ... which leaves its GPU without work, idle between the events that time the compute: still the host,
+    # its device no further behind its host than the others'
+    ([[0.5, 0.17, 0.3, 0.01, 0.02, 0.1, 0.2]] * 2 + [[0.5, 0.02, 0.45, 0.01, 0.12, 0.25, 0.0],
+                                                   [0.5, 0.17, 0.3, 0.01, 0.02, 0.1, 0.2]], "GPU", "host"),
+    # ... even where the others' hosts wait longer on their busy GPUs than it is stopped (their host and
+    # stall figures the larger; measured so on 2 ranks sharing an H200, 2026-11-29)
+    ([[0.5, 0.27, 0.33, 0.4, 0.3, 0.4, 0.1]] * 2 + [[0.5, 0.02, 0.6, 0.42, 0.13, 0.2, 0.0],
+                                                  [0.5, 0.27, 0.33, 0.4, 0.3, 0.4, 0.1]], "GPU", "host"),
     (late(2, "host"), "GPU", "host"),  # slow on the CPU without a stall: launches, Python
     # a data wait between micro-batches leaves the GPU idle inside the compute's events too (measured so)
-    ([[0.5, 0.3, 0.2, 0.01, 0.02, 0.1]] * 2 + [[0.5, 0.02, 0.52, 0.31, 0.02, 0.1],
-                                             [0.5, 0.3, 0.2, 0.01, 0.02, 0.1]], "GPU", "data"),
+    ([[0.5, 0.3, 0.2, 0.01, 0.02, 0.1, 0.1]] * 2 + [[0.5, 0.02, 0.52, 0.31, 0.02, 0.1, 0.0],
+                                                  [0.5, 0.3, 0.2, 0.01, 0.02, 0.1, 0.1]], "GPU", "data"),
     (late(2, "data"), "GPU", "data"),
     (late(2, "compute"), "GPU", "GPU"),
     (late(2, "compute"), "compute", "compute"),  # on a CPU
     # on a shared CPU more compute also waits longer for a core: still its compute's doing
-    ([[0.5, 0.32, 0.1, 0.01, 0.07, 0.17]] * 2 + [[0.5, 0.02, 0.2, 0.01, 0.27, 0.47],
-                                                [0.5, 0.32, 0.1, 0.01, 0.07, 0.17]], "compute", "compute"),
+    ([[0.5, 0.32, 0.1, 0.01, 0.07, 0.17, 0.0]] * 2 + [[0.5, 0.02, 0.2, 0.01, 0.27, 0.47, 0.0],
+                                                     [0.5, 0.32, 0.1, 0.01, 0.07, 0.17, 0.0]], "compute",
+     "compute"),
     (late(2), "GPU", "host"),  # nothing sets it apart but its lateness: launches, Python, the step's rest
 ])
 def test_the_cause_is_what_sets_the_latest_rank_apart(figures: list[list[float]], device: str,
@@ -178,7 +243,7 @@ def test_the_cause_is_what_sets_the_latest_rank_apart(figures: list[list[float]]
 
 
 def test_a_slow_collective_with_every_rank_on_time_is_the_link() -> None:
-    verdict = latest_rank([[0.5, 0.25, 0.2, 0.01, 0.01, 0.1]] * 4, ["n0", "n1", "n2", "n3"], margin=0.3)
+    verdict = latest_rank([[0.5, 0.25, 0.2, 0.01, 0.01, 0.1, 0.1]] * 4, ["n0", "n1", "n2", "n3"], margin=0.3)
     assert verdict is not None and (verdict.rank, verdict.cause, verdict.late) == (None, "link", True)
     assert verdict.detail.startswith("every rank arrives together, but the step's collectives take 0.250 s")
     assert latest_rank([CLEAN] * 4, ["n0"] * 4, margin=0.3).late is False  # type: ignore[union-attr]

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from taehv_slurm.trainer.engine import StepMetrics
-from taehv_slurm.trainer.stragglers import FIGURES, StepClock
+from taehv_slurm.trainer.stragglers import FIGURES, StepClock, device_anchor
 from taehv_slurm.trainer.trackers import Trackers
 
 log = logging.getLogger("taehv")
@@ -45,6 +45,7 @@ class LogWindow:
         # per metric Σ over kept samples, then Σ grad norm, kept samples, kept steps, skipped steps
         self.sums: torch.Tensor | None = None
         self.clocks: list[StepClock] = []
+        self.anchor = device_anchor(self.device)  # the window's GPU events on the host's clock (idle now)
 
     def add(self, m: StepMetrics, clock: StepClock | None = None) -> None:
         if clock is not None:
@@ -64,7 +65,8 @@ class LogWindow:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         steps = len(self.clocks)
-        sums = [sum(values) for values in zip(*(c.figures() for c in self.clocks))]  # waits for the events
+        # waits for the steps' events
+        sums = [sum(values) for values in zip(*(c.figures(self.anchor) for c in self.clocks))]
         mine = [(time.perf_counter() - self.began) / steps, *(v / steps for v in sums[1:])]
         every = torch.zeros(world, len(FIGURES), dtype=torch.float64, device=self.device)
         every[rank] = torch.tensor(mine, dtype=torch.float64)

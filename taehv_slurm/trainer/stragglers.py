@@ -9,7 +9,15 @@ loader or link costs every rank. Each step `StepClock` splits this rank's time i
 - its data wait (host seconds blocked on the loader), and
 - its stall: host seconds of its own work with the main thread off the CPU (stopped, CPU-starved,
   blocked), which is what a throttled host shows, and
-- its host time: the wall seconds of its own work on the host (launching the GPU's work, Python).
+- its host time: the wall seconds of its own work on the host (launching the GPU's work, Python), and
+- its backlog (GPUs): how far its device is behind its host when the host reaches the gradient all-reduce,
+  the work still queued then. A slow GPU is behind by more than the others' GPUs; a slow host or loader
+  leaves its GPU waiting for work, behind by less. (The compute's CUDA events cannot tell these apart: a
+  device idle for want of work is timed as compute too.)
+
+The data wait is the loader's part only: a rank's process held off the CPU while it waited (stopped,
+throttled, starved) counts as its stall (`HeldOff`), so a slow host whose main thread mostly waits for
+its loader is not taken for a slow loader.
 
 Nothing in a step waits for a timing: CUDA events are read at the log line. The log window gathers every
 rank's means (one small all-reduce); `SlowRanks.observe` finds the rank that arrives last (it waits
@@ -25,6 +33,7 @@ import contextlib
 import logging
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -33,7 +42,7 @@ from typing import Any
 import torch
 
 log = logging.getLogger("taehv")
-FIGURES = ("step_s", "wait_s", "compute_s", "data_s", "stall_s", "host_s")  # per rank and step, in order
+FIGURES = ("step_s", "wait_s", "compute_s", "data_s", "stall_s", "host_s", "backlog_s")  # per rank and step
 # slow_rank_margin by device where the cluster config leaves it unset: a GPU's step times are steady to a
 # few ms; CPU ranks share the host's cores with each other and the loader, and a window's lateness varied by
 # up to 60 % on the 2-core CI testbed with nothing slowed.
@@ -47,8 +56,57 @@ WARMUP_STEPS = 10
 EXTRA_COMPUTE_ENV = "TAEHV_TEST_EXTRA_COMPUTE"
 
 
+class HeldOff:
+    """How long this process is held off the CPU (stopped, throttled, CPU-starved) while its main thread
+    waits on others, as its loader's workers: a thread that sleeps TICK_S at a time while the wait lasts
+    counts each wake more than LATE_S late. The main thread blocked in the wait cannot tell a slow loader
+    from its own process not running: all its threads stop together, the loader's workers do not."""
+
+    TICK_S, LATE_S = 0.005, 0.02  # lateness below LATE_S is the scheduler's and the GIL's, not a pause
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._on = threading.Event()
+        self._held = 0.0
+        self._since: float | None = None  # when the ticking thread last went to sleep
+        threading.Thread(target=self._tick, name="taehv-held-off", daemon=True).start()
+
+    def _late(self, now: float) -> float:
+        """The lateness of the sleep in progress at `now`, where it counts (under the lock)."""
+        late = 0.0 if self._since is None else now - self._since - self.TICK_S
+        return late if late > self.LATE_S else 0.0
+
+    def _tick(self) -> None:
+        while True:
+            self._on.wait()
+            with self._lock:
+                self._since = time.perf_counter()
+            time.sleep(self.TICK_S)
+            with self._lock:
+                self._held += self._late(time.perf_counter())
+                self._since = None
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[Callable[[], float]]:
+        """Around a wait: yields a function that gives the seconds this process was held off during it
+        (read it after the wait)."""
+        with self._lock:
+            start = self._held
+        self._on.set()
+        held = [0.0]
+        try:
+            yield lambda: held[0]
+        finally:
+            self._on.clear()
+            with self._lock:  # the sleep in progress may end late with the wait: count it now, not later
+                now = time.perf_counter()
+                self._held += self._late(now)
+                self._since = now if self._since is not None else None
+                held[0] = self._held - start
+
+
 class StepClock:
-    """One optimizer step of this rank: its waits in collectives, its compute, its data wait and its stall.
+    """One optimizer step of this rank: its waits in collectives, its compute, data wait, stall and backlog.
 
     The trainer starts it before the step boundary and marks each section; `figures()` (at the log line)
     gives the step's seconds in FIGURES order, `step_s` left 0 (the window knows the step's length). On a
@@ -61,8 +119,9 @@ class StepClock:
         self.wall, self.cpu = -time.perf_counter(), -time.thread_time()
         self.data_s = 0.0
         self.wait_s = 0.0  # host seconds in the collectives (the figure on a CPU)
-        # on a GPU: each collective's events, and whether it ran inside the compute's span
-        self.waits: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        # on a GPU: each collective's events, whether it ran inside the compute's span, and when the host
+        # reached it (perf_counter)
+        self.waits: list[tuple[torch.cuda.Event, torch.cuda.Event, bool, float]] = []
         self.began: torch.cuda.Event | None = None
         self.ended: torch.cuda.Event | None = None
 
@@ -85,12 +144,13 @@ class StepClock:
             self.wall -= seconds
             self.cpu -= time.thread_time() - cpu
             if start is not None:
-                self.waits.append((start, self._event(), self.began is not None))
+                self.waits.append((start, self._event(), self.began is not None, wall))
 
-    def data(self, seconds: float, cpu_s: float) -> None:
-        """A wait for the loader of `seconds` (host), `cpu_s` of them on this thread's CPU."""
-        self.data_s += seconds
-        self.wall -= seconds
+    def data(self, seconds: float, cpu_s: float, held_s: float = 0.0) -> None:
+        """A wait for the loader of `seconds` (host), `cpu_s` of them on this thread's CPU and `held_s` of
+        them with this process held off the CPU (HeldOff): those are its own time, a stall."""
+        self.data_s += seconds - held_s
+        self.wall -= seconds - held_s
         self.cpu -= cpu_s
 
     def compute_begins(self) -> None:
@@ -104,15 +164,33 @@ class StepClock:
         if self.cuda:
             self.ended = self._event()
 
-    def figures(self) -> tuple[float, ...]:
-        """FIGURES' seconds of this step, step_s 0; on a GPU it waits for the step's events."""
+    def figures(self, anchor: tuple[torch.cuda.Event, float] | None = None) -> tuple[float, ...]:
+        """FIGURES' seconds of this step, step_s 0; on a GPU it waits for the step's events. `anchor`: an
+        event recorded on an idle device before the step and the perf_counter() then, which places the
+        device's events on the host's clock (the backlog; 0 without it)."""
         stall, host = max(0.0, self.wall - self.cpu), max(0.0, self.wall)
         if not self.cuda or self.began is None or self.ended is None:
-            return 0.0, self.wait_s, max(0.0, self.cpu), self.data_s, stall, host
+            return 0.0, self.wait_s, max(0.0, self.cpu), self.data_s, stall, host, 0.0
         self.ended.synchronize()
-        waits = [(a.elapsed_time(b) / 1000, inside) for a, b, inside in self.waits]
+        waits = [(a.elapsed_time(b) / 1000, inside) for a, b, inside, _ in self.waits]
         compute = self.began.elapsed_time(self.ended) / 1000 - sum(w for w, inside in waits if inside)
-        return 0.0, sum(w for w, _ in waits), max(0.0, compute), self.data_s, stall, host
+        inside = [(start, reached) for start, _, within, reached in self.waits if within]
+        backlog = 0.0
+        if anchor is not None and inside:  # the last collective in the compute: the gradient all-reduce
+            (event, at), (start, reached) = anchor, inside[-1]
+            backlog = max(0.0, at + event.elapsed_time(start) / 1000 - reached)
+        return 0.0, sum(w for w, _ in waits), max(0.0, compute), self.data_s, stall, host, backlog
+
+
+def device_anchor(device: torch.device) -> tuple[torch.cuda.Event, float] | None:
+    """On a GPU: an event recorded once the device is idle and the host's perf_counter() then, so that
+    later events' times can be read on the host's clock (StepClock.figures). Waits for the device."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event, time.perf_counter()
 
 
 def extra_compute_for_tests(rank: int, device: torch.device) -> Callable[[], None] | None:
@@ -152,6 +230,7 @@ class Latest:
     late: bool  # past the margin in this window
     detail: str
     excess: dict[str, float] = field(default_factory=dict)  # its figures less the others' medians, per step
+    own: dict[str, float] = field(default_factory=dict)  # its figures, per step
 
 
 def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin: float,
@@ -161,16 +240,16 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
     The rank that waits least arrived last; the job lost the others' median wait less its own per step. It is
     late when that exceeds `margin` × the others' time to arrive (their step less their wait). Its cause is
     the figure by which it exceeds the others' median most where that explains at least half of the wait it
-    causes: data wait (`data`), stall (`host`) or compute (`compute_name`; on a CPU the stall that more
-    compute brings on a shared host counts with it; on a GPU only beyond its longer host time and data
-    wait, which leave the device waiting for work); otherwise `host` (its time outside compute and data:
-    launches, Python, the step's other work). With no rank late, `link` (rank None) when the collectives
+    causes: data wait (`data`), stall (`host`) or compute (`compute_name`: on a GPU its backlog, the device
+    work still queued when its host reached the all-reduce; on a CPU its CPU time, with the stall that more
+    compute brings on a shared host); otherwise `host` (its time outside compute and data: launches,
+    Python, the step's other work). With no rank late, `link` (rank None) when the collectives
     themselves, the last rank's wait, take more than `margin` × the ranks' time to arrive. None for fewer
     than 2 ranks."""
     if len(figures) < 2:
         return None
     step = statistics.median(f[0] for f in figures)
-    wait, compute, data, stall, host_s = ([f[i] for f in figures] for i in range(1, 6))
+    wait, compute, data, stall, host_s, backlog = ([f[i] for f in figures] for i in range(1, 7))
     rank = min(range(len(figures)), key=lambda r: (wait[r], r))
     others = [r for r in range(len(figures)) if r != rank]
 
@@ -185,14 +264,16 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
                       f"every rank arrives together, but the step's collectives take {wait[rank]:.3f} s per "
                       f"step ({_share(wait[rank], step)}): a slow link, switch or network between the ranks "
                       "(`taehv preflight --job` measures the bus bandwidth)")
-    extra = {"data": excess(data), "stall": excess(stall), "compute": excess(compute), "host": excess(host_s)}
+    extra = {"data": excess(data), "stall": excess(stall), "compute": excess(compute), "host": excess(host_s),
+             "backlog": excess(backlog)}
     over = {name: extra[name] for name in ("data", "stall", "compute")}  # the candidate causes
     if compute_name == "GPU":
-        # The device time is measured between CUDA events, and a host that launches the step's work late
-        # (slow, starved) or waits for a later micro-batch's data leaves the device idle between them (2
-        # ranks through Slurm on an H200, loader workers stopped: +3.17 s of data wait and +3.19 s of "GPU"
-        # per step). The compute counts only beyond the rank's extra host time and data wait.
-        over["compute"] -= max(0.0, extra["host"]) + max(0.0, extra["data"])
+        # The compute is timed between CUDA events, and a host that launches the step's work late (slow,
+        # starved) or waits for a later micro-batch's data leaves the device idle between them, timed as
+        # compute too (2 ranks through Slurm on an H200, loader workers stopped: +3.17 s of data wait and
+        # +3.19 s of "GPU" per step). The host's own figures cannot discount it: a rank's host also blocks
+        # on its busy GPU. The backlog can: a device that is slower is further behind its host.
+        over["compute"] = extra["backlog"]
     else:
         # On a CPU the compute is the host's own CPU time: where the host is shared, each CPU-second of it
         # also costs the wall time it waits for a core (the others' wall per CPU-second, k), so a rank with
@@ -208,18 +289,22 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
                   f"rank {rank} on {host}: the others wait {lost:.3f} s per step for it "
                   f"({_share(lost, step)}), cause {cause}: "
                   f"{_why(key, compute_name, compute[rank], data[rank], stall[rank], extra)}",
-                  {name: round(value, 4) for name, value in extra.items()})
+                  {name: round(value, 4) for name, value in extra.items()},
+                  {name.removesuffix("_s"): round(v, 4) for name, v in zip(FIGURES[1:], figures[rank][1:])})
 
 
 def _why(key: str, compute_name: str, compute: float, data: float, stall: float,
          extra: dict[str, float]) -> str:
     """What sets a late rank apart, in words: its figure and its excess over the others' median."""
-    what = "device compute" if compute_name == "GPU" else "compute"
+    if key == "compute" and compute_name == "GPU":
+        return (f"its GPU is {extra['backlog']:.3f} s per step further behind its host than the others' when "
+                f"the gradient all-reduce is reached (its device compute takes {compute:.3f} s per step, "
+                f"{extra['compute']:.3f} s more than the others')")
     return {"data": f"it waits {data:.3f} s per step for its data loader, {extra['data']:.3f} s more than "
                     "the others",
             "stall": f"its process was off the CPU {stall:.3f} s per step of its own work (stopped, "
                      f"CPU-starved or blocked), {extra['stall']:.3f} s more than the others",
-            "compute": f"its {what} takes {compute:.3f} s per step, {extra['compute']:.3f} s more than the "
+            "compute": f"its compute takes {compute:.3f} s per step, {extra['compute']:.3f} s more than the "
                        "others'",
             "rest": f"neither its compute ({compute:.3f} s per step), its data wait ({data:.3f} s) nor its "
                     "stall sets it apart: its host is slow outside them (launches, Python, the step's other "
@@ -256,7 +341,7 @@ class SlowRanks:
         self.streak = {latest.rank: self.streak.get(latest.rank, 0) + 1} if latest.late else {}
         host = None if latest.rank is None else self.hosts[latest.rank]
         fields.update(late_rank=latest.rank, late_host=host, late_cause=latest.cause, late_s=latest.lost_s,
-                      late=latest.late, late_excess_s=latest.excess)
+                      late=latest.late, late_excess_s=latest.excess, late_figures_s=latest.own)
         now = {key for key, n in self.streak.items() if n >= self.windows}
         new = [latest for key in now if key not in self.named]
         recovered = [key for key in self.named if key not in now]

@@ -51,7 +51,7 @@ from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training, loa
 from taehv_slurm.trainer.rng import get_rng_state, seed_all, set_rng_state
 from taehv_slurm.trainer.schedule import lr_at
 from taehv_slurm.trainer.speed import mfu, model_flops_per_clip, peak_flops, use_compile_cache
-from taehv_slurm.trainer.stragglers import DEFAULT_MARGIN, WARMUP_STEPS, SlowRanks, StepClock
+from taehv_slurm.trainer.stragglers import DEFAULT_MARGIN, WARMUP_STEPS, HeldOff, SlowRanks, StepClock
 from taehv_slurm.trainer.teacher import load_teacher, to_unit
 from taehv_slurm.trainer.trackers import Trackers
 
@@ -137,6 +137,7 @@ class Trainer:
         )
         # each step timed for the slow-rank naming; slow_rank_windows 0: no clock at all (the A/B's "off")
         self.timed = self.engine.timed and self.runtime.slow_rank_windows > 0
+        self.held_off = HeldOff() if self.timed else None
 
     def resume(self) -> int:
         """Rank 0 chooses the checkpoint to resume — the newest that loads; damaged ones are moved aside,
@@ -329,12 +330,15 @@ class Trainer:
         self.step_samples.clear()
         for size in sizes:
             began, cpu = time.perf_counter(), time.thread_time()
-            with self.ctx.section("data"):  # a rank stuck reading is named as such by a hang's verdict
+            # a rank stuck reading is named so by a hang's verdict; this process held off the CPU while it
+            # waited is not its loader's doing (stragglers.HeldOff)
+            watch = self.held_off.watch() if self.held_off else contextlib.nullcontext(lambda: 0.0)
+            with self.ctx.section("data"), watch as held:
                 batch = next(self.stream)
-            waited = time.perf_counter() - began
-            window.data_wait_s += waited
+            waited, held_s = time.perf_counter() - began, held()
+            window.data_wait_s += waited - held_s  # the loader's part
             if clock is not None:
-                clock.data(waited, time.thread_time() - cpu)
+                clock.data(waited, time.thread_time() - cpu, held_s)
             if size:  # a padding micro-batch repeats a sample with weight 0: not part of the step
                 self.step_samples += batch["index"].tolist()
             yield Microbatch(*self.to_device(batch), size / self.plan.effective_batch)
