@@ -211,21 +211,27 @@ def late(rank: int, *figures: str) -> list[list[float]]:
     return rows
 
 
+def measured(step: float, others: list[float], slow: list[float]) -> list[list[float]]:
+    """Two ranks as one window of bench/slow_rank_faults.py found them on 2 nodes sharing an H200 through
+    Slurm (2026-11-29, metrics.jsonl's late_figures_s and late_excess_s), the late one 3rd of 4 here: the
+    step, the others' figures, then the late rank's."""
+    return [[step, *others], [step, *others], [step, *slow], [step, *others]]
+
+
 @pytest.mark.parametrize("figures, device, cause", [
     (late(2, "stall", "host"), "GPU", "host"),  # stopped or starved: off the CPU during its own work
-    # ... which leaves its GPU without work, idle between the events that time the compute: still the host,
-    # its device no further behind its host than the others'
-    ([[0.5, 0.17, 0.3, 0.01, 0.02, 0.1, 0.2]] * 2 + [[0.5, 0.02, 0.45, 0.01, 0.12, 0.25, 0.0],
-                                                   [0.5, 0.17, 0.3, 0.01, 0.02, 0.1, 0.2]], "GPU", "host"),
-    # ... even where the others' hosts wait longer on their busy GPUs than it is stopped (their host and
-    # stall figures the larger; measured so on 2 ranks sharing an H200, 2026-11-29)
-    ([[0.5, 0.27, 0.33, 0.4, 0.3, 0.4, 0.1]] * 2 + [[0.5, 0.02, 0.6, 0.42, 0.13, 0.2, 0.0],
-                                                  [0.5, 0.27, 0.33, 0.4, 0.3, 0.4, 0.1]], "GPU", "host"),
+    # stopped 0.25 s of every 0.5 s on a GPU: its GPU idle between the events that time the compute (+0.29 s
+    # of "compute"), its stall no more than the others', whose hosts block on their GPUs waiting for it
+    (measured(0.64, [0.304, 0.189, 0.043, 0.331, 0.414, 0.031], [0.017, 0.477, 0.144, 0.309, 0.347, 0.018]),
+     "GPU", "host"),
     (late(2, "host"), "GPU", "host"),  # slow on the CPU without a stall: launches, Python
-    # a data wait between micro-batches leaves the GPU idle inside the compute's events too (measured so)
-    ([[0.5, 0.3, 0.2, 0.01, 0.02, 0.1, 0.1]] * 2 + [[0.5, 0.02, 0.52, 0.31, 0.02, 0.1, 0.0],
-                                                  [0.5, 0.3, 0.2, 0.01, 0.02, 0.1, 0.1]], "GPU", "data"),
+    # loader workers stopped 0.45 s of every 0.5 s: +1.36 s of data wait, +1.31 s of "compute" (idle GPU)
+    (measured(1.6, [1.328, 0.174, 0.046, 1.347, 1.424, 0.031], [0.018, 1.485, 1.402, 0.057, 0.098, 0.004]),
+     "GPU", "data"),
     (late(2, "data"), "GPU", "data"),
+    # +0.25 s of device work: 0.23 s further behind its host at the all-reduce than the others' GPUs
+    (measured(0.58, [0.249, 0.215, 0.031, 0.308, 0.403, 0.043], [0.018, 0.446, 0.047, 0.275, 0.386, 0.271]),
+     "GPU", "GPU"),
     (late(2, "compute"), "GPU", "GPU"),
     (late(2, "compute"), "compute", "compute"),  # on a CPU
     # on a shared CPU more compute also waits longer for a core: still its compute's doing
@@ -247,6 +253,23 @@ def test_a_slow_collective_with_every_rank_on_time_is_the_link() -> None:
     assert verdict is not None and (verdict.rank, verdict.cause, verdict.late) == (None, "link", True)
     assert verdict.detail.startswith("every rank arrives together, but the step's collectives take 0.250 s")
     assert latest_rank([CLEAN] * 4, ["n0"] * 4, margin=0.3).late is False  # type: ignore[union-attr]
+
+
+def test_the_link_is_named_when_its_collectives_grow_not_for_their_share_of_every_step() -> None:
+    """A gradient all-reduce takes its share of every step (2 nodes over sockets, one H200: 10 % of a step,
+    named `link` in every run before this rule): the link is slow when its collectives take longer than at
+    their fastest in this run."""
+    hosts = ["n0", "n1", "n2", "n3"]
+    steady = SlowRanks(hosts, margin=0.1, windows=3)
+    slow_link = [[0.5, 0.25, 0.2, 0.01, 0.01, 0.1, 0.1]] * 4  # every rank on time, collectives 0.25 s
+    assert not any(steady.observe(slow_link)[1] for _ in range(5))  # so from the start: not a slow link
+    grown = SlowRanks(hosts, margin=0.1, windows=3)
+    assert not grown.observe([CLEAN] * 4)[1]  # collectives 0.02 s at first
+    seen = [grown.observe(slow_link) for _ in range(3)]
+    assert not seen[0][1] and not seen[1][1] and [n.rank for n in seen[2][1]] == [None]
+    assert seen[2][1][0].lost_s == pytest.approx(0.23)
+    detail = seen[2][1][0].detail
+    assert "take 0.250 s per step (50 % of a step), 0.230 s more than at their fastest" in detail
 
 
 def test_a_rank_is_named_after_its_windows_in_a_row_and_then_recovers() -> None:

@@ -234,7 +234,7 @@ class Latest:
 
 
 def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin: float,
-                compute_name: str = "GPU") -> Latest | None:
+                compute_name: str = "GPU", link_floor: float = 0.0) -> Latest | None:
     """The rank the others waited for in one window, from every rank's FIGURES means per step.
 
     The rank that waits least arrived last; the job lost the others' median wait less its own per step. It is
@@ -243,9 +243,10 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
     causes: data wait (`data`), stall (`host`) or compute (`compute_name`: on a GPU its backlog, the device
     work still queued when its host reached the all-reduce; on a CPU its CPU time, with the stall that more
     compute brings on a shared host); otherwise `host` (its time outside compute and data: launches,
-    Python, the step's other work). With no rank late, `link` (rank None) when the collectives
-    themselves, the last rank's wait, take more than `margin` × the ranks' time to arrive. None for fewer
-    than 2 ranks."""
+    Python, the step's other work). With no rank late, `link` (rank None) when the collectives themselves
+    (the last rank's wait) take more than `margin` × the ranks' time to arrive beyond `link_floor` (their
+    fastest in this run: a gradient all-reduce is a share of every step, a slow link one that grew). None
+    for fewer than 2 ranks."""
     if len(figures) < 2:
         return None
     step = statistics.median(f[0] for f in figures)
@@ -259,11 +260,13 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
     lost = max(0.0, -excess(wait))
     arrive = statistics.median(step - wait[r] for r in others)
     threshold = margin * arrive if arrive > 0 else float("inf")
-    if lost <= threshold < wait[rank]:
-        return Latest(None, "link", wait[rank], True,
+    slower = wait[rank] - link_floor
+    if lost <= threshold < slower:
+        return Latest(None, "link", slower, True,
                       f"every rank arrives together, but the step's collectives take {wait[rank]:.3f} s per "
-                      f"step ({_share(wait[rank], step)}): a slow link, switch or network between the ranks "
-                      "(`taehv preflight --job` measures the bus bandwidth)")
+                      f"step ({_share(wait[rank], step)}), {slower:.3f} s more than at their fastest in this "
+                      "run: a slow link, switch or network between the ranks (`taehv preflight --job` "
+                      "measures the bus bandwidth)")
     extra = {"data": excess(data), "stall": excess(stall), "compute": excess(compute), "host": excess(host_s),
              "backlog": excess(backlog)}
     over = {name: extra[name] for name in ("data", "stall", "compute")}  # the candidate causes
@@ -296,6 +299,11 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
 def _why(key: str, compute_name: str, compute: float, data: float, stall: float,
          extra: dict[str, float]) -> str:
     """What sets a late rank apart, in words: its figure and its excess over the others' median."""
+    if key == "rest" and compute_name == "GPU":
+        return (f"its GPU is not the one behind (its backlog at the gradient all-reduce "
+                f"{extra['backlog']:+.3f} s per step against the others'), nor is its data wait "
+                f"({data:.3f} s): its host is slow to give its GPU work (stopped, throttled, CPU-starved, or "
+                "slow in launches and Python)")
     if key == "compute" and compute_name == "GPU":
         return (f"its GPU is {extra['backlog']:.3f} s per step further behind its host than the others' when "
                 f"the gradient all-reduce is reached (its device compute takes {compute:.3f} s per step, "
@@ -324,6 +332,7 @@ class SlowRanks:
     windows: int = 3
     compute_name: str = "GPU"  # "compute" where the device is the CPU
     streak: dict[int | None, int] = field(default_factory=dict)  # rank (None: link) → late windows in a row
+    link_floor: float | None = None  # the collectives' fastest (the last rank's wait) in a judged window
     named: dict[int | None, Latest] = field(default_factory=dict)  # named slow now, as last seen
 
     def observe(self, figures: Sequence[Sequence[float]], judged: bool = True
@@ -334,7 +343,11 @@ class SlowRanks:
         step, wait = (statistics.median(f[i] for f in figures) for i in (0, 1))
         fields: dict[str, Any] = {"compute_s": statistics.median(f[2] for f in figures),
                                   "arrive_s": step - wait, "wait_s": wait}
-        latest = latest_rank(figures, self.hosts, self.margin, self.compute_name) if judged else None
+        if not judged:
+            return fields, [], []
+        collectives = min(f[1] for f in figures)  # the last rank's wait: the collectives themselves
+        self.link_floor = collectives if self.link_floor is None else min(self.link_floor, collectives)
+        latest = latest_rank(figures, self.hosts, self.margin, self.compute_name, self.link_floor)
         if latest is None:
             return fields, [], []
         # only the rank that arrives last can be late: any other streak ends
