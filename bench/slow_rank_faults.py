@@ -150,15 +150,17 @@ def main() -> None:
     p.add_argument("--synthetic", action="store_true", help="synthetic 128×192 clips instead of --data")
     p.add_argument("--cpus", type=int, default=12, help="cpus_per_task")
     p.add_argument("--faults", default=",".join(FAULTS))
-    p.add_argument("--fault-step", type=int, default=60, help="the victim's step at which the fault begins")
-    p.add_argument("--fault-s", type=float, default=90, help="how long the fault lasts")
+    p.add_argument("--fault-step", type=int, help="the victim's step where the fault begins (60, --smoke 16)")
+    p.add_argument("--fault-s", type=float, help="seconds the fault (none: a clean run) lasts (90, smoke 15)")
     p.add_argument("--work", default="/tmp/taehv-slow-rank-faults")
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for a run to reach a step")
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny config, 2 ranks, short faults")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    args.fault_step = args.fault_step or (16 if args.smoke else 60)  # past the warm-up
+    args.fault_s = args.fault_s or (15 if args.smoke else 90)
     if args.smoke:
-        args.cpus, args.fault_step, args.fault_s, args.timeout = 1, 16, 15, 600  # past the warm-up
+        args.cpus, args.timeout = 1, 600
     elif not (args.data or args.synthetic):
         p.error("--data PREPARED or --synthetic is needed on GPUs (or --smoke)")
     if args.nodes > 1 and not args.cluster:

@@ -17,7 +17,7 @@ What differs from the CPU testbed, and why:
 - With fewer GPUs than nodes (`--nodes 3` on a 1-GPU host) the nodes share the GPUs in turn: every node still
   has its own hostname, so NCCL still connects them over sockets as separate hosts (it refuses two ranks on
   one GPU only within one host). Right for what crosses nodes (launch, NCCL between hosts, faults, restarts,
-  spares), not for speed: the ranks time-slice one GPU.
+  spares), not for speed: the ranks time-slice one GPU (unless CUDA MPS runs: bench/gpu_cluster_run.sh MPS=1).
 - slurmd needs a cgroup v1 freezer hierarchy (cgroup/v2 needs systemd's dbus, which such images lack):
   where none is mounted, one is mounted privately under `<dir>/cgroup` and named in cgroup.conf.
 """

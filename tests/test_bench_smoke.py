@@ -18,8 +18,9 @@ from taehv_slurm.trainer.hunyuan_encoder import ENCODER_PREFIXES
 from tests.helpers import REPO
 
 
-def run_smoke(script: str, out: Path, timeout: int = 300) -> tuple[subprocess.CompletedProcess, dict]:
-    run = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out)],
+def run_smoke(script: str, out: Path, timeout: int = 300,
+              *argv: str) -> tuple[subprocess.CompletedProcess, dict]:
+    run = subprocess.run([sys.executable, f"bench/{script}", "--smoke", "--out", str(out), *argv],
                          capture_output=True, text=True, cwd=REPO, timeout=timeout)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert f"wrote {out}" in run.stdout
@@ -105,6 +106,15 @@ def test_requeue_signal_smoke(tmp_path: Path) -> None:
     assert resume["final_step"] == resume["from_step"] + 3
     # effective batch held on half the ranks
     assert resume["grad_accum"] == 2 and resume["effective_batch"] == 4
+
+
+def test_slow_rank_faults_smoke(tmp_path: Path) -> None:
+    # 2 CPU ranks, the last one's process stopped 0.4 s of every 0.6 s from outside for 15 s: named host
+    _, result = run_smoke("slow_rank_faults.py", tmp_path / "faults.json", 600, "--faults", "host",
+                          "--work", str(tmp_path / "work"))
+    (row,) = result["rows"]
+    assert (row["fault"], row["named_rank"], row["named_cause"]) == ("host", 1, "host"), row
+    assert row["lost_s_per_step"] > 0 and row["clips_per_s_during"] < row["clips_per_s_before"], row
 
 
 def test_cli_latency_smoke(tmp_path: Path) -> None:
