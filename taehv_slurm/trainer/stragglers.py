@@ -271,11 +271,9 @@ def latest_rank(figures: Sequence[Sequence[float]], hosts: Sequence[str], margin
              "backlog": excess(backlog)}
     over = {name: extra[name] for name in ("data", "stall", "compute")}  # the candidate causes
     if compute_name == "GPU":
-        # The compute is timed between CUDA events, and a host that launches the step's work late (slow,
-        # starved) or waits for a later micro-batch's data leaves the device idle between them, timed as
-        # compute too (2 ranks through Slurm on an H200, loader workers stopped: +3.17 s of data wait and
-        # +3.19 s of "GPU" per step). The host's own figures cannot discount it: a rank's host also blocks
-        # on its busy GPU. The backlog can: a device that is slower is further behind its host.
+        # The compute's CUDA events also time a device idle for want of work (its host late, or waiting for
+        # data), and host figures cannot discount that: a host also blocks on its own busy GPU (measured,
+        # docs/failures.md). A slower device is further behind its host: its backlog tells.
         over["compute"] = extra["backlog"]
     else:
         # On a CPU the compute is the host's own CPU time: where the host is shared, each CPU-second of it
