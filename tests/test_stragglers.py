@@ -8,8 +8,11 @@ from outside the job, on rank 1 of a job of 2 ranks, as a slow node would):
 - `data`: the rank's loader worker stopped 0.9 s of every second → cause data;
 - `compute`: the rank given 0.2 s more compute per step (the test-only TAEHV_TEST_EXTRA_COMPUTE) → cause
   compute (the CPU is the device here);
-- `latest_rank`'s verdicts on given figures, the slow link among them (the testbed's nodes share this
-  machine's loopback with every other job on it: no link can be slowed from outside for one job alone).
+- a process stopped while it waits (as a rank for its loader) is found held off the CPU (`HeldOff`), so
+  its stall is not taken for its loader's;
+- `latest_rank`'s verdicts on given figures (windows measured on a GPU among them), the slow link among
+  them (the testbed's nodes share this machine's loopback with every other job on it: no link can be
+  slowed from outside for one job alone).
 
 The three jobs run side by side from one module fixture. A clean run names nobody:
 tests/test_hangs.py::test_a_clean_run_names_no_slow_rank_and_finds_no_hang.
