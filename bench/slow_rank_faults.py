@@ -13,7 +13,7 @@ rank is slowed for --fault-s seconds:
 
 - host: its process stopped 0.25 s of every 0.5 s (SIGSTOP/SIGCONT), a starved or throttled host;
 - data: its loader workers (its child processes) stopped 0.45 s of every 0.5 s;
-- GPU: 0.25 s more device work per step (the test-only TAEHV_TEST_EXTRA_COMPUTE; from the start);
+- GPU: --gpu-extra-s (0.25) s more device work per step (test-only TAEHV_TEST_EXTRA_COMPUTE; from the start);
 - none: nothing: no rank may be named.
 
 Per fault: the rank and cause named, after how many log windows (from the fault's start; for GPU from the
@@ -48,7 +48,7 @@ TINY = {"teacher.kind": "none", "data.height": 32, "data.width": 32, "intervals.
 def cluster_file(work: Path, args: argparse.Namespace, fault: str) -> Path:
     """A local cluster config of --gpus GPUs (--smoke: 2 CPU ranks); the GPU fault's knob in its env."""
     count = ranks(args)
-    extra = f"{count - 1}:{0.2 if args.smoke else 0.25}"
+    extra = f"{count - 1}:{0.2 if args.smoke else args.gpu_extra_s}"
     path = work / f"faults_{fault}.yaml"
     path.write_text(f"backend: local\nnodes: 1\ngpus_per_node: {0 if args.smoke else count}\n"
                     f"tasks_per_node: {count}\ncpus_per_task: {args.cpus}\n"
@@ -76,10 +76,12 @@ def submit_argv(fault: str, args: argparse.Namespace, work: Path, name: str) -> 
                      "intervals.log_every": 10})
     else:
         sets["data.path"] = args.data
+    if args.log_every:
+        sets["intervals.log_every"] = args.log_every
     if args.cluster:
         sets.update({"job_dir": work / "runs", "cpus_per_task": args.cpus})
         if fault == "GPU":
-            sets["env.TAEHV_TEST_EXTRA_COMPUTE"] = f"{ranks(args) - 1}:0.25"
+            sets["env.TAEHV_TEST_EXTRA_COMPUTE"] = f"{ranks(args) - 1}:{args.gpu_extra_s}"
         where = ["--cluster", args.cluster, "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus)]
     else:
         where = ["--local", "--cluster", str(cluster_file(work, args, fault))]
@@ -133,12 +135,17 @@ def verdict(fault: str, run_dir: Path, began: float, ended: float, before: int) 
     def clips(rows: list[dict[str, Any]]) -> float | None:
         return sum(r["samples_per_second"] for r in rows) / len(rows) if rows else None
 
+    kept = ("step", "samples_per_second", "data_wait", "compute_s", "arrive_s", "wait_s", "late_rank",
+            "late_cause", "late_s", "late")
     return {"fault": fault, "named_rank": first.get("rank"), "named_cause": first.get("cause"),
             "lost_s_per_step": first.get("lost_s"), "detail": first.get("detail"),
             "windows_to_named": len([r for r in windows if before < r["step"] <= at]) if at else None,
             "named_events": len(named),
             "clips_per_s_before": clips([r for r in windows if r["time"] < began and r["step"] > 1]),
-            "clips_per_s_during": clips([r for r in windows if began < r["time"] <= ended])}
+            "clips_per_s_during": clips([r for r in windows if began < r["time"] <= ended]),
+            "fault_began_s": round(began - windows[0]["time"], 1) if windows else None,
+            "windows": [{k: round(r[k], 4) if isinstance(r[k], float) else r[k] for k in kept if k in r}
+                        for r in windows]}
 
 
 def main() -> None:
@@ -152,6 +159,8 @@ def main() -> None:
     p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--fault-step", type=int, help="the victim's step where the fault begins (60, --smoke 16)")
     p.add_argument("--fault-s", type=float, help="seconds the fault (none: a clean run) lasts (90, smoke 15)")
+    p.add_argument("--gpu-extra-s", type=float, default=0.25, help="the GPU fault's device seconds per step")
+    p.add_argument("--log-every", type=int, help="steps per log window (the config's; --synthetic: 10)")
     p.add_argument("--work", default="/tmp/taehv-slow-rank-faults")
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for a run to reach a step")
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny config, 2 ranks, short faults")
@@ -169,7 +178,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     info = run_info(not args.smoke, gpus=ranks(args), nodes=args.nodes, cluster=args.cluster,
                     data="synthetic 128x192" if args.synthetic else args.data, fault_step=args.fault_step,
-                    fault_s=args.fault_s)
+                    fault_s=args.fault_s, gpu_extra_s=args.gpu_extra_s,
+                    log_every=args.log_every or (10 if args.synthetic else None))
     rows = []
     for fault in args.faults.split(","):
         rows.append(one_fault(fault, args, work))
