@@ -188,7 +188,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", default="/tmp/taehv-e2e",
                    help="videos, teacher and shards (reused by a second run)")
-    p.add_argument("--sources", default="prepared,video,synthetic")
+    p.add_argument("--sources", default="prepared,video,synthetic", help="'': only prepare the data")
     p.add_argument("--videos", type=int, default=48)
     p.add_argument("--video-frames", type=int, default=36, help="frames per file: 3 training windows of 12")
     p.add_argument("--steps", type=int, default=30, help="training steps per source")
@@ -344,6 +344,9 @@ def main() -> None:
     info.update(prepare_figures(work / "runs"))
     print(json.dumps({k: v for k, v in info.items() if k.startswith("prepare")}), flush=True)
     rows = []
+    if not args.sources:  # the prepared folder alone, for other benchmarks (bench/slow_rank_faults.py --data)
+        print(f"prepared: {prepared}")
+        return
     for source in args.sources.split(","):
         if args.watchers_ab:
             rows.append(watchers_ab(source, args, work, prepared, spec, device))

@@ -9,11 +9,11 @@
 # engines: ZeRO-1/2/3 at the largest shape; tests / faults: tests/test_gpu_cluster.py, without / with the
 # faults (as many at once as a node has GPUs; FAULTS="killed or timed" picks some, as pytest's -k);
 # slowrank: bench/slow_rank_faults.py through Slurm on 2 nodes (SLOW="host,data" picks faults; synthetic clips,
-# or DATA=a prepared folder, as bench/e2e_throughput.py --sources prepared leaves in its --work; LOG_EVERY=steps
-# per log window, GPU_EXTRA_S=the GPU fault's seconds). Wheels missing from the machine's Python may be
-# carried in .whl/ (installed into /tmp/site). MPS=1 (nodes sharing a GPU) starts CUDA's Multi-Process Service
-# first, so their kernels run side by side on the GPU rather than in turns: a rank's device time then no longer
-# stretches while another rank's collective spins.
+# or DATA=a prepared folder, as `bench/e2e_throughput.py --sources ''` leaves in its --work; LOG_EVERY=steps per
+# log window; HOST_CYCLE / DATA_CYCLE="STOPPED,RUNNING" seconds and GPU_EXTRA_S=seconds size the faults).
+# Wheels missing from the machine's Python may be carried in .whl/ (installed into /tmp/site). MPS=1 (nodes
+# sharing a GPU) starts CUDA's Multi-Process Service first, so their kernels run side by side on the GPU rather
+# than in turns: a rank's device time then no longer stretches while another rank's collective spins.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1; shift; mkdir -p "$out"
@@ -67,7 +67,8 @@ for part in "$@"; do
     slowrank) timeout "${LIMIT:-540}" python3 bench/slow_rank_faults.py --cluster configs/cluster/gpu_testbed.yaml \
                --nodes 2 --gpus "$per_node" --cpus $(( $(nproc) / nodes / per_node < 14 ? $(nproc) / nodes / per_node : 14 )) \
                ${DATA:+--data "$DATA"} $([[ -n ${DATA:-} ]] || echo --synthetic) ${LOG_EVERY:+--log-every "$LOG_EVERY"} \
-               ${GPU_EXTRA_S:+--gpu-extra-s "$GPU_EXTRA_S"} --faults "${SLOW:-host,data,GPU,none}" --fault-step "${FAULT_STEP:-30}" \
+               ${GPU_EXTRA_S:+--gpu-extra-s "$GPU_EXTRA_S"} ${HOST_CYCLE:+--host-cycle "$HOST_CYCLE"} \
+               ${DATA_CYCLE:+--data-cycle "$DATA_CYCLE"} --faults "${SLOW:-host,data,GPU,none}" --fault-step "${FAULT_STEP:-30}" \
                --fault-s "${FAULT_S:-60}" --timeout 300 --work /tmp/taehv-slow-rank --out "$out/" 2>&1 \
                | tee "$out/slowrank.log" | grep -v Warning | tail -12 ;;
   esac

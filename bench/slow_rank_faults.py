@@ -11,8 +11,9 @@ ranks, log_every 2); with --cluster, through Slurm on that cluster config instea
 tests/slurm_testbed.py --real-gpus, SLURM_CONF set), --nodes × --gpus ranks. From --fault-step on, the last
 rank is slowed for --fault-s seconds:
 
-- host: its process stopped 0.25 s of every 0.5 s (SIGSTOP/SIGCONT), a starved or throttled host;
-- data: its loader workers (its child processes) stopped 0.45 s of every 0.5 s;
+- host: its process stopped 0.25 s of every 0.5 s (SIGSTOP/SIGCONT; --host-cycle), a starved or throttled
+  host;
+- data: its loader workers (its child processes) stopped 0.45 s of every 0.5 s (--data-cycle);
 - GPU: --gpu-extra-s (0.25) s more device work per step (test-only TAEHV_TEST_EXTRA_COMPUTE; from the start);
 - none: nothing: no rank may be named.
 
@@ -108,7 +109,7 @@ def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                           and r, args.timeout, "the run to reach --fault-step")
         began, before = time.time(), max([r["step"] for r in rows_of(run_dir, "metrics.jsonl")], default=0)
         pids = children(record["pid"]) if fault == "data" else [record["pid"]]
-        cycle = {"host": (0.25, 0.25), "data": (0.45, 0.05)}.get(fault)
+        cycle = {"host": args.host_cycle, "data": args.data_cycle}.get(fault)
         if args.smoke and cycle:
             cycle = {"host": (0.4, 0.2), "data": (0.9, 0.1)}[fault]
         with slowed_down(pids, *cycle) if cycle else contextlib.nullcontext():
@@ -159,6 +160,9 @@ def main() -> None:
     p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--fault-step", type=int, help="the victim's step where the fault begins (60, --smoke 16)")
     p.add_argument("--fault-s", type=float, help="seconds the fault (none: a clean run) lasts (90, smoke 15)")
+    cycle = lambda text: tuple(float(x) for x in text.split(","))  # noqa: E731
+    p.add_argument("--host-cycle", type=cycle, default=(0.25, 0.25), help="STOPPED,RUNNING seconds (host)")
+    p.add_argument("--data-cycle", type=cycle, default=(0.45, 0.05), help="STOPPED,RUNNING seconds (data)")
     p.add_argument("--gpu-extra-s", type=float, default=0.25, help="the GPU fault's device seconds per step")
     p.add_argument("--log-every", type=int, help="steps per log window (the config's; --synthetic: 10)")
     p.add_argument("--work", default="/tmp/taehv-slow-rank-faults")
@@ -178,7 +182,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     info = run_info(not args.smoke, gpus=ranks(args), nodes=args.nodes, cluster=args.cluster,
                     data="synthetic 128x192" if args.synthetic else args.data, fault_step=args.fault_step,
-                    fault_s=args.fault_s, gpu_extra_s=args.gpu_extra_s,
+                    fault_s=args.fault_s, host_cycle=args.host_cycle, data_cycle=args.data_cycle,
+                    gpu_extra_s=args.gpu_extra_s,
                     log_every=args.log_every or (10 if args.synthetic else None))
     rows = []
     for fault in args.faults.split(","):
