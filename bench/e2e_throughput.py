@@ -343,10 +343,10 @@ def main() -> None:
     prepared = prepare_data(work, spec, args.videos, args.video_frames, cluster, args.smoke, args.timeout)
     info.update(prepare_figures(work / "runs"))
     print(json.dumps({k: v for k, v in info.items() if k.startswith("prepare")}), flush=True)
-    rows = []
     if not args.sources:  # the prepared folder alone, for other benchmarks (bench/slow_rank_faults.py --data)
         print(f"prepared: {prepared}")
         return
+    rows = []
     for source in args.sources.split(","):
         if args.watchers_ab:
             rows.append(watchers_ab(source, args, work, prepared, spec, device))

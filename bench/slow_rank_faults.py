@@ -149,6 +149,12 @@ def verdict(fault: str, run_dir: Path, began: float, ended: float, before: int) 
                         for r in windows]}
 
 
+def duty_cycle(text: str) -> tuple[float, float]:
+    """"STOPPED,RUNNING" seconds → (stopped, running)."""
+    stopped, running = (float(x) for x in text.split(","))
+    return stopped, running
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", help="a prepared folder (taehv prepare's --out)")
@@ -160,9 +166,8 @@ def main() -> None:
     p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--fault-step", type=int, help="the victim's step where the fault begins (60, --smoke 16)")
     p.add_argument("--fault-s", type=float, help="seconds the fault (none: a clean run) lasts (90, smoke 15)")
-    cycle = lambda text: tuple(float(x) for x in text.split(","))  # noqa: E731
-    p.add_argument("--host-cycle", type=cycle, default=(0.25, 0.25), help="STOPPED,RUNNING seconds (host)")
-    p.add_argument("--data-cycle", type=cycle, default=(0.45, 0.05), help="STOPPED,RUNNING seconds (data)")
+    p.add_argument("--host-cycle", type=duty_cycle, default=(0.25, 0.25), help="STOPPED,RUNNING s (host)")
+    p.add_argument("--data-cycle", type=duty_cycle, default=(0.45, 0.05), help="STOPPED,RUNNING s (data)")
     p.add_argument("--gpu-extra-s", type=float, default=0.25, help="the GPU fault's device seconds per step")
     p.add_argument("--log-every", type=int, help="steps per log window (the config's; --synthetic: 10)")
     p.add_argument("--work", default="/tmp/taehv-slow-rank-faults")
