@@ -21,8 +21,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,33 +38,40 @@ CKPT_EVERY, HANG_FLOOR_S, HEARTBEAT_S = 10, 30.0, 3.0
 STEADY = {"intervals.log_every": 2, "intervals.ckpt_every": CKPT_EVERY, "intervals.val_every": 10_000}
 
 
-@dataclass
-class Jobs:
-    spare: JobHandle
-    stopped: JobHandle
-    shrink: JobHandle
-
-
 @pytest.fixture(scope="module")
-def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
+def submit(slurm_cluster, tmp_path_factory) -> Callable[..., JobHandle]:
+    """Submits one of this module's runs: 2 nodes × 2 ranks, `steps` steps, the cluster `overrides`."""
     job_dir = tmp_path_factory.mktemp("restarts")
-
-    def cluster(**overrides):
-        return make_cluster(job_dir, nodes=2, gpus_per_node=2, time_min=20, hang_floor_s=HANG_FLOOR_S,
-                            heartbeat_s=HEARTBEAT_S, **overrides)
 
     def submit(name: str, steps: int, **overrides) -> JobHandle:
         train = {k: overrides.pop(k) for k in list(overrides) if "." in k}
-        return submit_training(cluster(**overrides), quick_train(steps=steps, **STEADY, **train), name)[0]
+        cluster = make_cluster(job_dir, nodes=2, gpus_per_node=2, time_min=20, hang_floor_s=HANG_FLOOR_S,
+                               heartbeat_s=HEARTBEAT_S, **overrides)
+        return submit_training(cluster, quick_train(steps=steps, **STEADY, **train), name)[0]
+    return submit
 
-    # `stopped` and `shrink` outlast the tests before them (they are ended at the module's end)
-    found = Jobs(spare=submit("spare", 160, spare_nodes=1), stopped=submit("stopped", 2000, spare_nodes=1),
-                 shrink=submit("shrink", 2000, min_nodes=1, **{"batch.per_gpu": 2}))
-    try:
-        yield found
-    finally:
-        for handle in (found.spare, found.stopped, found.shrink):
-            handle.cancel()
+
+# Each run is submitted by its own test and ended with it: runs submitted ahead, to be training when their
+# test came, took the suite's CPU for minutes (it is CPU-bound on 2 cores) only to wait.
+@pytest.fixture
+def spare(submit) -> Iterator[JobHandle]:
+    handle = submit("spare", 160, spare_nodes=1)
+    yield handle
+    handle.cancel()
+
+
+@pytest.fixture
+def stopped(submit) -> Iterator[JobHandle]:
+    handle = submit("stopped", 2000, spare_nodes=1)
+    yield handle
+    handle.cancel()
+
+
+@pytest.fixture
+def shrink(submit) -> Iterator[JobHandle]:
+    handle = submit("shrink", 2000, min_nodes=1, **{"batch.per_gpu": 2})
+    yield handle
+    handle.cancel()
 
 
 def ranks_of_the_second_node(handle: JobHandle) -> list[dict]:
@@ -89,8 +95,8 @@ def logged_once_each(handle: JobHandle, until: int) -> bool:
     return [s for s in kept if s <= until] == [1, *range(2, until + 1, 2)]
 
 
-def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(jobs: Jobs) -> None:
-    handle = jobs.spare
+def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(spare: JobHandle) -> None:
+    handle = spare
     victims = ranks_of_the_second_node(handle)
     host = victims[0]["host"]
     killed_at = time.time()
@@ -131,8 +137,8 @@ def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(jobs: Jobs
     assert goodput.attrs["allocated_node_s"] == pytest.approx(held, rel=0.01)
 
 
-def test_a_stopped_rank_is_named_and_its_node_replaced_by_the_spare(jobs: Jobs) -> None:
-    handle = jobs.stopped
+def test_a_stopped_rank_is_named_and_its_node_replaced_by_the_spare(stopped: JobHandle) -> None:
+    handle = stopped
     victim = ranks_of_the_second_node(handle)[-1]
     stopped_at = time.time()
     os.kill(victim["pid"], signal.SIGSTOP)  # a stuck GPU, a dead NFS mount: no progress, no exit
@@ -160,8 +166,8 @@ def test_a_stopped_rank_is_named_and_its_node_replaced_by_the_spare(jobs: Jobs) 
     assert again["world_size"] == 4 and requeue.get("excluded_now", []) == [], requeue
 
 
-def test_without_a_spare_the_run_shrinks_then_grows_back_at_its_requeue(jobs: Jobs) -> None:
-    handle = jobs.shrink
+def test_without_a_spare_the_run_shrinks_then_grows_back_at_its_requeue(shrink: JobHandle) -> None:
+    handle = shrink
     victims = ranks_of_the_second_node(handle)
     for record in victims:
         os.kill(record["pid"], signal.SIGKILL)
