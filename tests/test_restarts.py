@@ -39,39 +39,26 @@ STEADY = {"intervals.log_every": 2, "intervals.ckpt_every": CKPT_EVERY, "interva
 
 
 @pytest.fixture(scope="module")
-def submit(slurm_cluster, tmp_path_factory) -> Callable[..., JobHandle]:
-    """Submits one of this module's runs: 2 nodes × 2 ranks, `steps` steps, the cluster `overrides`."""
-    job_dir = tmp_path_factory.mktemp("restarts")
+def job_dir(slurm_cluster, tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("restarts")
+
+
+# Each test submits its own run, ended with the test: runs submitted ahead, to be training when their test
+# came, took the suite's CPU for minutes (it is CPU-bound on 2 cores) only to wait.
+@pytest.fixture
+def submit(job_dir: Path) -> Iterator[Callable[..., JobHandle]]:
+    """Submits a run of 2 nodes × 2 ranks: `steps` steps, the cluster `overrides` (train ones dotted)."""
+    submitted: list[JobHandle] = []
 
     def submit(name: str, steps: int, **overrides) -> JobHandle:
         train = {k: overrides.pop(k) for k in list(overrides) if "." in k}
         cluster = make_cluster(job_dir, nodes=2, gpus_per_node=2, time_min=20, hang_floor_s=HANG_FLOOR_S,
                                heartbeat_s=HEARTBEAT_S, **overrides)
-        return submit_training(cluster, quick_train(steps=steps, **STEADY, **train), name)[0]
-    return submit
-
-
-# Each run is submitted by its own test and ended with it: runs submitted ahead, to be training when their
-# test came, took the suite's CPU for minutes (it is CPU-bound on 2 cores) only to wait.
-@pytest.fixture
-def spare(submit) -> Iterator[JobHandle]:
-    handle = submit("spare", 160, spare_nodes=1)
-    yield handle
-    handle.cancel()
-
-
-@pytest.fixture
-def stopped(submit) -> Iterator[JobHandle]:
-    handle = submit("stopped", 2000, spare_nodes=1)
-    yield handle
-    handle.cancel()
-
-
-@pytest.fixture
-def shrink(submit) -> Iterator[JobHandle]:
-    handle = submit("shrink", 2000, min_nodes=1, **{"batch.per_gpu": 2})
-    yield handle
-    handle.cancel()
+        submitted.append(submit_training(cluster, quick_train(steps=steps, **STEADY, **train), name)[0])
+        return submitted[-1]
+    yield submit
+    for handle in submitted:
+        handle.cancel()
 
 
 def ranks_of_the_second_node(handle: JobHandle) -> list[dict]:
@@ -95,8 +82,8 @@ def logged_once_each(handle: JobHandle, until: int) -> bool:
     return [s for s in kept if s <= until] == [1, *range(2, until + 1, 2)]
 
 
-def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(spare: JobHandle) -> None:
-    handle = spare
+def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(submit) -> None:
+    handle = submit("spare", 160, spare_nodes=1)
     victims = ranks_of_the_second_node(handle)
     host = victims[0]["host"]
     killed_at = time.time()
@@ -137,8 +124,8 @@ def test_a_node_killed_is_replaced_by_the_spare_inside_the_allocation(spare: Job
     assert goodput.attrs["allocated_node_s"] == pytest.approx(held, rel=0.01)
 
 
-def test_a_stopped_rank_is_named_and_its_node_replaced_by_the_spare(stopped: JobHandle) -> None:
-    handle = stopped
+def test_a_stopped_rank_is_named_and_its_node_replaced_by_the_spare(submit) -> None:
+    handle = submit("stopped", 2000, spare_nodes=1)
     victim = ranks_of_the_second_node(handle)[-1]
     stopped_at = time.time()
     os.kill(victim["pid"], signal.SIGSTOP)  # a stuck GPU, a dead NFS mount: no progress, no exit
@@ -166,8 +153,8 @@ def test_a_stopped_rank_is_named_and_its_node_replaced_by_the_spare(stopped: Job
     assert again["world_size"] == 4 and requeue.get("excluded_now", []) == [], requeue
 
 
-def test_without_a_spare_the_run_shrinks_then_grows_back_at_its_requeue(shrink: JobHandle) -> None:
-    handle = shrink
+def test_without_a_spare_the_run_shrinks_then_grows_back_at_its_requeue(submit) -> None:
+    handle = submit("shrink", 2000, min_nodes=1, **{"batch.per_gpu": 2})
     victims = ranks_of_the_second_node(handle)
     for record in victims:
         os.kill(record["pid"], signal.SIGKILL)
