@@ -177,7 +177,12 @@ def test_a_job_left_held_after_its_requeue_says_so_and_how_to_release_it(jobs: J
     (requeue,) = events(handle, "requeue")
     assert requeue["release_error"] == (f"scontrol release {handle.job_id}: scontrol: error: "
                                         "Access/permission denied")
-    assert handle.state == "PENDING"
+
+    def settled() -> str | None:  # the requeued job passes through COMPLETING while its processes end
+        state = handle.state
+        return None if state in ("RUNNING", "REQUEUED", "COMPLETING") else state
+
+    assert wait_for(settled, 120, "the requeued job to settle") == "PENDING"  # and then it waits, held
     status = cli("jobs.status", handle.job_id, "--job-dir", str(handle.job_dir), "--format", "json")
     (row,) = json.loads(status.stdout)
     assert row["note"] == (f"held since its requeue ({requeue['release_error']}): "
