@@ -44,6 +44,9 @@ from tests.helpers import children, rank_record, slowed_down, wait_for  # noqa: 
 FAULTS = ("host", "data", "GPU", "none")
 TINY = {"teacher.kind": "none", "data.height": 32, "data.width": 32, "intervals.log_every": 2,
         "data.num_workers": 1, "data.prefetch_factor": 1}
+# 10-step log windows on synthetic clips: they keep the loader near its limit, so a slowed one stretches a
+# window most (a 25-step window outlasted the whole fault on 2 ranks of an H200)
+SYNTHETIC_LOG_EVERY = 10
 
 
 def cluster_file(work: Path, args: argparse.Namespace, fault: str) -> Path:
@@ -65,20 +68,26 @@ def rows_of(run_dir: Path, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def log_every(args: argparse.Namespace) -> int | None:
+    """Steps per log window: --log-every, else the smoke's or synthetic clips' own; None: the config's."""
+    if args.log_every:
+        return args.log_every
+    if args.smoke:
+        return TINY["intervals.log_every"]
+    return SYNTHETIC_LOG_EVERY if args.synthetic else None
+
+
 def submit_argv(fault: str, args: argparse.Namespace, work: Path, name: str) -> list[str]:
     """The user's command for one fault's run: --local on this machine, or through Slurm on --cluster."""
     sets: dict[str, Any] = {"steps": 100_000}
     if args.smoke:
         sets.update(TINY)
     elif args.synthetic:
-        # 10-step log windows: synthetic clips keep the loader near its limit, so a slowed one stretches a
-        # window most (a 25-step window outlasted the whole fault on 2 ranks of an H200)
-        sets.update({"data.source": "synthetic", "data.height": 128, "data.width": 192, "data.val_clips": 4,
-                     "intervals.log_every": 10})
+        sets.update({"data.source": "synthetic", "data.height": 128, "data.width": 192, "data.val_clips": 4})
     else:
         sets["data.path"] = args.data
-    if args.log_every:
-        sets["intervals.log_every"] = args.log_every
+    if every := log_every(args):
+        sets["intervals.log_every"] = every
     if args.cluster:
         sets.update({"job_dir": work / "runs", "cpus_per_task": args.cpus})
         if fault == "GPU":
@@ -169,7 +178,8 @@ def main() -> None:
     p.add_argument("--host-cycle", type=duty_cycle, default=(0.25, 0.25), help="STOPPED,RUNNING s (host)")
     p.add_argument("--data-cycle", type=duty_cycle, default=(0.45, 0.05), help="STOPPED,RUNNING s (data)")
     p.add_argument("--gpu-extra-s", type=float, default=0.25, help="the GPU fault's device seconds per step")
-    p.add_argument("--log-every", type=int, help="steps per log window (the config's; --synthetic: 10)")
+    p.add_argument("--log-every", type=int,
+                   help=f"steps per log window (the config's; --synthetic: {SYNTHETIC_LOG_EVERY})")
     p.add_argument("--work", default="/tmp/taehv-slow-rank-faults")
     p.add_argument("--timeout", type=float, default=1800, help="seconds to wait for a run to reach a step")
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny config, 2 ranks, short faults")
@@ -189,7 +199,7 @@ def main() -> None:
                     data="synthetic 128x192" if args.synthetic else args.data, fault_step=args.fault_step,
                     fault_s=args.fault_s, host_cycle=args.host_cycle, data_cycle=args.data_cycle,
                     gpu_extra_s=args.gpu_extra_s,
-                    log_every=args.log_every or (10 if args.synthetic else None))
+                    log_every=log_every(args))
     rows = []
     for fault in args.faults.split(","):
         rows.append(one_fault(fault, args, work))
