@@ -135,6 +135,19 @@ class ClusterConfig:
     array_parallelism: int = 4
     job_dir: str = "runs"  # run folders and the job registry; must be on a filesystem all nodes share
     python: str | None = None  # command that starts python on the nodes; default: this interpreter
+    # The ranks in a container image (docs/configuration.md): pyxis (srun --container-image), apptainer or
+    # charliecloud. The batch script's own steps and every Slurm command run outside, with `python`.
+    container_image: str | None = None
+    container_runtime: Literal["pyxis", "apptainer", "charliecloud"] = "pyxis"
+    container_mounts: list[str] = field(default_factory=list)  # SRC:DST[:FLAGS]; the run folders among them
+    container_python: str = "python3"  # the image's interpreter, which starts the ranks
+    # After a preemption or the time limit: `self` = the job requeues itself (scontrol requeue); `follow_up`
+    # = it submits its next attempt as a new job (sbatch --dependency=afternotok); `auto` = self, and
+    # follow_up where the cluster does not requeue jobs or refuses the requeue.
+    requeue: Literal["auto", "self", "follow_up"] = "auto"
+    # The job imports a copy of the checkout's tracked files made at submit (<job_dir>/code/), not the
+    # checkout itself, which may change while the job waits or between its attempts.
+    code_snapshot: bool = True
     device: Literal["auto", "cuda", "cpu"] = "auto"  # auto: cuda where the nodes have GPUs
     dist_backend: Literal["auto", "nccl", "gloo"] = "auto"
     rendezvous_timeout_s: int = 300  # bounded wait for all ranks to meet at MASTER_ADDR
@@ -270,7 +283,24 @@ class ClusterConfig:
         for name in self.env:
             check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) is not None, source,
                    f"env name {name!r} is not a valid variable name")
+        self._validate_container(source)
         return self
+
+    def _validate_container(self, source: str) -> None:
+        if not self.container_image:
+            check(not self.container_mounts, source,
+                  "container_mounts is set but container_image is not: name the image the ranks run in")
+            return
+        check(self.backend == "slurm", source,
+              f"container_image applies to Slurm jobs; backend '{self.backend}' runs the ranks on this machine "
+              "as they are (remove container_image, or use backend: slurm)")
+        for mount in self.container_mounts:
+            parts = mount.split(":")
+            check(2 <= len(parts) <= 3 and all(p.startswith("/") for p in parts[:2]), source,
+                  f"container_mounts entry {mount!r} must be SRC:DST or SRC:DST:FLAGS with absolute paths "
+                  "(e.g. /shared/runs:/shared/runs)")
+            check(len(parts) == 2 or self.container_runtime != "charliecloud", source,
+                  f"container_mounts entry {mount!r}: Charliecloud's binds take no flags (write SRC:DST)")
 
 
 # ------------------------------------------------------------------------------------------ loading

@@ -18,6 +18,7 @@ from typing import Any
 
 import submitit
 
+from taehv_slurm import container
 from taehv_slurm.backends import backend_named
 from taehv_slurm.config import ClusterConfig
 from taehv_slurm.machine import gpus_here, visible_gpus
@@ -28,6 +29,7 @@ from taehv_slurm.runtime.steps import LAUNCH_ENV, RESTART_EXIT_CODE, STEP_LOOP_E
 from taehv_slurm.slurm import NO_SLURM_HINT, SCONTROL_ENV, says_no_slurm
 from taehv_slurm.submitit_api import convert_mem, make_sbatch_string
 
+RELAY_LINGER_MARGIN_S = 30  # the relay outlives a batch script a signal ended by KillWait + this
 CONTROLLER_START_S = 120  # the setup lines (module loads, a venv) run before the local controller starts
 
 
@@ -40,28 +42,33 @@ def entry_command(python: str, folder: Path, run_dir: Path | None = None, after:
 
 
 def step_loop(python: str, folder: Path, run_dir: Path | None, cluster: ClusterConfig) -> str:
-    """The sbatch script's command: the ranks as a job step on `nodes` of the allocation; once every rank
-    ended, the entry point records what the ranks could not (ranks killed from outside) and answers either
-    the job's exit status, or RESTART_EXIT_CODE: the ranks start again inside the allocation, on the nodes it
-    wrote for the next step (taehv_slurm.runtime.steps, .restart). Without restart_in_allocation the loop
-    runs once and a fault requeues the job, as before."""
+    """The sbatch script's command: the job's Slurm relay (taehv_slurm.relay: the ranks' Slurm commands
+    run here, outside any container), then the ranks as a job step on `nodes` of the allocation (in the
+    cluster's container image, if any); once every rank ended, the entry point records what the ranks could
+    not (ranks killed from outside) and answers either the job's exit status, or RESTART_EXIT_CODE: the
+    ranks start again inside the allocation, on the nodes it wrote for the next step
+    (taehv_slurm.runtime.steps, .restart). Without restart_in_allocation the loop runs once and a fault
+    requeues the job."""
     out = shlex.quote(str(folder)) + "/"
-    srun = shlex.join(["srun", "--unbuffered", *cluster.srun_args])
+    srun = shlex.join(["srun", "--unbuffered", *cluster.srun_args]) + container.srun_flags(cluster)
     loop_env = f"{STEP_LOOP_ENV}=1 " if cluster.restart_in_allocation else ""
-    ranks = entry_command(python, folder, run_dir)
+    ranks = container.rank_command(cluster, entry_command(container.ranks_python(cluster, python), folder,
+                                                          run_dir))
     after = entry_command(python, folder, run_dir, after='"$srun_status"')
     return "\n".join([
+        f"relay=$({python} -m taehv_slurm.relay start {shlex.quote(str(folder))} $$ "
+        f'{cluster.kill_wait_s + RELAY_LINGER_MARGIN_S}) || exit 1; eval "$relay"',
         f"export {loop_env}{LAUNCH_ENV}=0",
         # array tasks name their logs as submitit reads them: <array>_<index>_<rank>_log.out
         f'log={out}%j_%t_log.out; [ -n "$SLURM_ARRAY_JOB_ID" ] && log={out}%A_%a_%t_log.out',
         f"{python} -m taehv_slurm.runtime.steps first {shlex.quote(str(folder))} {cluster.nodes} "
-        f"{cluster.tasks_per_node} || exit 1",
+        f"{cluster.tasks_per_node} || taehv_exit 1",
         "while :; do",
         f'  {srun} --output "$log" $(cat {out}"$SLURM_JOB_ID"_srun_args) {ranks}',
         "  srun_status=$?",
         f"  {after}",
         "  after_status=$?",
-        f'  [ "$after_status" = {RESTART_EXIT_CODE} ] || exit "$after_status"',
+        f'  [ "$after_status" = {RESTART_EXIT_CODE} ] || taehv_exit "$after_status"',
         f"  export {LAUNCH_ENV}=$(( {LAUNCH_ENV} + 1 ))",
         "done",
     ])

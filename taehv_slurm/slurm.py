@@ -7,16 +7,20 @@ on PATH, controller unreachable) is an answer too, with Slurm's own words.
 
 `scontrol` is looked up once, where the job starts: the sbatch script exports its path as
 TAEHV_SCONTROL before the cluster config's `setup:` lines run, so a setup line that replaces PATH
-cannot take it away from the requeue that comes hours later.
+cannot take it away from the requeue that comes hours later. Inside a job, every command goes to the
+job's Slurm relay (taehv_slurm.relay, named by TAEHV_SLURM_RELAY), which runs it in the batch script,
+outside any container the ranks run in.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -31,6 +35,8 @@ FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF
                           "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
 SUCCESS_STATES = frozenset({"COMPLETED"})
 SCONTROL_ENV = "TAEHV_SCONTROL"  # scontrol's path on the nodes, found before the setup lines run
+RELAY_ENV = "TAEHV_SLURM_RELAY"  # HOST:PORT:TOKEN of the job's Slurm relay (taehv_slurm.relay)
+RELAY_CONNECT_S = 10.0
 NO_SLURM_HINT = ("no Slurm here: use --local to run on this machine, "
                  "or set SLURM_CONF to your cluster's slurm.conf")
 # What Slurm's commands say when they find no configuration (no slurm.conf, no DNS SRV record for configless).
@@ -77,6 +83,35 @@ class Answer:
 
 def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False,
         cwd: str | os.PathLike | None = None) -> Answer:
+    """Run a Slurm command — through the job's relay inside a job that has one, else here (`run_here`)."""
+    relay = os.environ.get(RELAY_ENV)
+    if relay:
+        return relayed(relay, argv, timeout_s, survive_term, cwd)
+    return run_here(argv, timeout_s, survive_term, cwd)
+
+
+def relayed(relay: str, argv: Sequence[str], timeout_s: float, survive_term: bool,
+            cwd: str | os.PathLike | None) -> Answer:
+    """`argv` run by the job's Slurm relay (its own copy of the command, found where the batch script
+    runs); an unreachable relay is an answer too."""
+    host, port, token = relay.rsplit(":", 2)
+    request = {"token": token, "argv": [os.path.basename(argv[0]), *argv[1:]], "timeout_s": timeout_s,
+               "survive_term": survive_term, "cwd": None if cwd is None else str(cwd)}
+    try:
+        with socket.create_connection((host, int(port)), timeout=RELAY_CONNECT_S) as conn:
+            conn.settimeout(timeout_s + RELAY_CONNECT_S)
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            reply = json.loads(conn.makefile("rb").readline() or b"null")
+    except (OSError, ValueError) as err:
+        return Answer(False, error=f"the job's Slurm relay on {host}:{port} did not answer ({err}): "
+                                   "the batch script that runs it has ended")
+    if not isinstance(reply, dict):
+        return Answer(False, error=f"the job's Slurm relay on {host}:{port} closed without answering")
+    return Answer(bool(reply.get("ok")), str(reply.get("output", "")), str(reply.get("error", "")))
+
+
+def run_here(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False,
+             cwd: str | os.PathLike | None = None) -> Answer:
     """Run a Slurm command; its failure (missing binary, non-zero exit, timeout) becomes an Answer.
     survive_term: the command ignores SIGTERM — for the commands a job runs on itself to requeue itself
     (`scontrol requeue`, `requeuehold` and what follows it): Slurm's SIGTERM to the job's processes on
@@ -111,7 +146,10 @@ def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False,
 
 
 def scontrol() -> str | None:
-    """scontrol's path: the one found when the job started (TAEHV_SCONTROL), else on PATH now."""
+    """scontrol's path: the one found when the job started (TAEHV_SCONTROL), else on PATH now. Inside a
+    job with a relay, the path where the batch script runs (the relay runs it there)."""
+    if os.environ.get(RELAY_ENV):
+        return os.environ.get(SCONTROL_ENV) or None
     found = os.environ.get(SCONTROL_ENV) or shutil.which("scontrol")
     return found if found and os.access(found, os.X_OK) else None
 
