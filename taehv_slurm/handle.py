@@ -49,6 +49,7 @@ class JobHandle:
         self.backend = backend_named(cluster.backend)
         self.backend.watch(self.job_id, self)  # its state is asked with every other handle's
         self._events_read: tuple[Any, list[dict[str, Any]]] | None = None  # (file and window, its events)
+        self._registry: Registry | None = None
 
     # ------------------------------------------------------------------------------- identity
     @classmethod
@@ -206,7 +207,9 @@ class JobHandle:
 
     def _time_window(self) -> tuple[float, float]:
         begin = float(self.record["submitted_at"])
-        later = [float(r["submitted_at"]) for r in Registry.load(self.job_dir).of_run(self.name)
+        if self._registry is None:
+            self._registry = Registry.load(self.job_dir)
+        later = [float(r["submitted_at"]) for r in self._registry.refresh().of_run(self.name)
                  if r["job_id"] != self.job_id and float(r["submitted_at"]) > begin]
         return begin, min(later, default=math.inf)
 
