@@ -143,8 +143,7 @@ class JobHandle:
             display.close()
 
     def _backoff(self, poll_s: float, max_poll_s: float | None = None) -> jobstates.Backoff:
-        """The polling rhythm of a loop over this job: slower while nothing changes where a state is a
-        question to a scheduler; every `poll_s` elsewhere (a file on this machine)."""
+        """A loop's rhythm: slower while nothing changes where a state is a question to a scheduler."""
         return jobstates.Backoff(poll_s, max_poll_s if self.backend.asks_a_scheduler else poll_s)
 
     def result(self) -> Any:
@@ -207,9 +206,8 @@ class JobHandle:
 
     def _time_window(self) -> tuple[float, float]:
         begin = float(self.record["submitted_at"])
-        if self._registry is None:
-            self._registry = Registry.load(self.job_dir)
-        later = [float(r["submitted_at"]) for r in self._registry.refresh().of_run(self.name)
+        self._registry = self._registry.refresh() if self._registry else Registry.load(self.job_dir)
+        later = [float(r["submitted_at"]) for r in self._registry.of_run(self.name)
                  if r["job_id"] != self.job_id and float(r["submitted_at"]) > begin]
         return begin, min(later, default=math.inf)
 

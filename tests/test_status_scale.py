@@ -75,7 +75,8 @@ def test_old_registries_damaged_lines_and_appends_are_read_as_before(tmp_path: P
     assert registry.find("11")["run_dir"] == "/old/first" and registry.find("second")["job_id"] == "12"
     assert registry.find("first")["job_id"] == "14"  # a run name: its newest job
     with (tmp_path / REGISTRY).open("a") as f:  # its writer ends the line, another one follows
-        f.write('": "late", "run_dir": "/b", "folder": "/c"}\n' + json.dumps(record("16", "first", 6.0)) + "\n")
+        f.write('": "late", "run_dir": "/b", "folder": "/c"}\n')
+        f.write(json.dumps(record("16", "first", 6.0)) + "\n")
     assert registry is Registry.load(tmp_path) and registry.job_ids() == ["11", "12", "14", "15", "16"]
     assert [r["job_id"] for r in registry.of_run("first")] == ["11", "14", "16"]
     (tmp_path / REGISTRY).write_text(json.dumps(record("21", "new", 7.0)) + "\n")  # replaced in place
