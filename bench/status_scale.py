@@ -14,7 +14,8 @@ first lines of the same metrics file.
 Each command is a fresh process, `python -m taehv_slurm status ...` as a user's `taehv status` is:
 `status` (the last 20 runs), `status RUN` (the long run, by name) and `status --all`; per size, the
 median and fastest wall seconds of --rounds runs and the peak memory (max RSS) of the process. Then
-`JobHandle.metrics()` of the long run at 300,000 lines (in its own process: seconds, rows, max RSS).
+`JobHandle.metrics()` of the long run at 300,000 lines, --rounds times (each in its own process, pandas
+imported first as in a notebook: seconds, rows, peak memory).
 The machine's load average is recorded before and after. --smoke: 20 and 50 runs, 2,000 lines, one
 round (the test suite runs it). JSON under bench/results/ (or --out).
 """
@@ -215,9 +216,13 @@ def main() -> None:
                           f"median {row['median_s']:.3f} s  fastest {row['min_s']:.3f} s  "
                           f"{row['max_rss_mb']:.0f} MB", flush=True)
         use(job_dir, work, max(runs), files[frame_lines[0]])
-        frame = {"metrics_lines": frame_lines[0], **frame_time(job_dir)}
-        print(f"JobHandle.metrics() of {frame['rows']} rows: {frame['seconds']:.3f} s, "
-              f"{frame['max_rss_mb']:.0f} MB")
+        times = [frame_time(job_dir) for _ in range(args.rounds)]
+        frame = {"metrics_lines": frame_lines[0], "rows": times[0]["rows"],
+                 "seconds": statistics.median(t["seconds"] for t in times),
+                 "min_s": min(t["seconds"] for t in times), "max_rss_mb": max(t["max_rss_mb"] for t in times),
+                 "all_seconds": [t["seconds"] for t in times]}
+        print(f"JobHandle.metrics() of {frame['rows']} rows: median {frame['seconds']:.3f} s, "
+              f"fastest {frame['min_s']:.3f} s, {frame['max_rss_mb']:.0f} MB")
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
             "device": platform.processor() or platform.machine() or "cpu", "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": importlib.metadata.version("torch"),
