@@ -7,6 +7,7 @@ when called, so the commands that only print text (`taehv status` as a table, `t
 
 from __future__ import annotations
 
+import gc
 import html
 import os
 import sys
@@ -41,7 +42,13 @@ def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, An
 
     rows = [{k: v for k, v in e.items() if k not in ("event", "failed_at_step")} | {"event": "requeue"}
             for e in requeues]
-    frame = pd.DataFrame([*_metrics_rows(Path(run_dir) / METRICS), *rows])
+    collecting = gc.isenabled()
+    gc.disable()  # 300,000 new dicts would set off the collector again and again, finding nothing to free
+    try:
+        frame = pd.DataFrame([*_metrics_rows(Path(run_dir) / METRICS), *rows])
+    finally:
+        if collecting:
+            gc.enable()
     if frame.empty:
         return pd.DataFrame(columns=list(METRIC_COLUMNS))
     for column in METRIC_COLUMNS:
