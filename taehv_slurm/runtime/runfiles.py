@@ -115,10 +115,10 @@ class EventLog:
                     damaged += whole
                     continue
                 when = event.get("time", 0)
-                if not isinstance(when, int | float) or when < stop:
-                    if isinstance(when, int | float):
-                        break
+                if not isinstance(when, int | float):
                     continue
+                if when < stop:
+                    break
                 if since <= when < until:
                     found.append(event)
                     if limit is not None and len(found) >= limit:
