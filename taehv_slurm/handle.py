@@ -124,7 +124,7 @@ class JobHandle:
         from taehv_slurm.reports import Progress
 
         display = Progress(f"job {self.job_id}", self.total_steps, enabled=progress)
-        backoff = self._backoff(poll_s, max_poll_s)
+        backoff = self.backoff(poll_s, max_poll_s)
         start, seen = time.monotonic(), None
         try:
             while True:
@@ -142,7 +142,7 @@ class JobHandle:
         finally:
             display.close()
 
-    def _backoff(self, poll_s: float, max_poll_s: float | None = None) -> jobstates.Backoff:
+    def backoff(self, poll_s: float, max_poll_s: float | None = None) -> jobstates.Backoff:
         """A loop's rhythm: slower while nothing changes where a state is a question to a scheduler."""
         return jobstates.Backoff(poll_s, max_poll_s if self.backend.asks_a_scheduler else poll_s)
 
@@ -429,7 +429,7 @@ class LogFollower:
                  hide_tracebacks: bool = False, poll_s: float = 1.0) -> None:
         self.handle, self.path, self.position = handle, handle.log_path(rank), position
         self.filter = _TracebackFilter() if hide_tracebacks else None
-        self.backoff, self.state, self.due = handle._backoff(poll_s), "", 0.0
+        self.backoff, self.state, self.due = handle.backoff(poll_s), "", 0.0
 
     def run(self, out: TextIO | None = None, poll_s: float = 1.0) -> str:
         out = out or sys.stdout

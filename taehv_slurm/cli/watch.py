@@ -182,7 +182,7 @@ def follow_all(handles: Sequence[JobHandle], stop_on_interrupt: bool, out: TextI
     out = out or sys.stdout
     shown: dict[str, tuple[str, float]] = {}  # job id → (state, when a line was last printed)
     tails = {h.job_id: MetricsTail(h.run_dir) for h in handles}
-    backoff = handles[0]._backoff(poll_s)
+    backoff = handles[0].backoff(poll_s)
     interrupted, states = False, []
     while True:
         try:
