@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from taehv_slurm import slurm
+from taehv_slurm import jobstates, slurm
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.backend import Outcome, RankBackend
 from taehv_slurm.runtime.steps import in_step_loop
@@ -42,6 +42,7 @@ class Backend(RankBackend):
     has_accounting: ClassVar[bool] = False  # sacct knows the job
     writes_sbatch_script: ClassVar[bool] = False
     cancel_on_interrupt: ClassVar[bool] = False  # Ctrl-C while following stops the job (it saves first)
+    asks_a_scheduler: ClassVar[bool] = False  # a state is a question to a scheduler: polls slow down
 
     def unavailable_reason(self) -> str | None:
         """Why jobs cannot be submitted from here, in one line (None: they can)."""
@@ -50,6 +51,12 @@ class Backend(RankBackend):
     def state(self, job_id: str, folder: Path, job: Any = None) -> str:
         """The job's state in Slurm's words (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, ...)."""
         return str(job.state).upper() if job is not None else "UNKNOWN"
+
+    def watch(self, job_id: str, owner: object) -> None:
+        """Ask for this job's state with the others' while `owner` (its JobHandle) lives."""
+
+    def prefetch(self, job_ids: Sequence[str]) -> None:
+        """Ask once for the state and accounting of all these jobs (what follows reads the answer)."""
 
     def cancel(self, job_id: str, folder: Path, job: Any = None) -> None:
         if job is not None:
@@ -126,6 +133,7 @@ class SlurmBackend(Backend):
     has_accounting = True
     writes_sbatch_script = True
     restarts_after_failure = True
+    asks_a_scheduler = True
 
     def unavailable_reason(self) -> str | None:
         return slurm.no_slurm_reason(probe=True)
@@ -133,11 +141,22 @@ class SlurmBackend(Backend):
     def state(self, job_id: str, folder: Path, job: Any = None) -> str:
         return slurm.job_state(job_id) or "UNKNOWN"
 
+    def watch(self, job_id: str, owner: object) -> None:
+        jobstates.watch(job_id, owner)
+
+    def prefetch(self, job_ids: Sequence[str]) -> None:
+        """One sacct call (every attempt of every job, and the state of those squeue no longer lists), then
+        one squeue call."""
+        jobstates.accounting(job_ids)
+        jobstates.job_states(job_ids)
+
     def cancel(self, job_id: str, folder: Path, job: Any = None) -> None:
         slurm.run(["scancel", job_id], timeout_s=60)
+        jobstates.forget(job_id)
 
     def requeue(self, job_id: str) -> None:
         answer = slurm.requeue(job_id)
+        jobstates.forget(job_id)
         if not answer.ok:
             raise JobControlError(f"scontrol requeue {job_id} failed: {answer.error}")
 
@@ -249,7 +268,7 @@ class SlurmBackend(Backend):
 
     def describe_live(self, holder: dict[str, Any]) -> str | None:
         job_id = str(holder.get("job_id", ""))
-        answer = slurm.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], timeout_s=30)
+        answer = slurm.squeue_answer(job_id)
         if answer.ok:
             state = (answer.output.split() or [""])[0]
             return f"job {job_id} ({state})" if state and not slurm.is_final(state) else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 import os
 import sys
@@ -18,19 +17,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from taehv_slurm import slurm
+from taehv_slurm import jobstates, slurm
 from taehv_slurm.backends import backend_named
 from taehv_slurm.config import ClusterConfig, load_cluster
 from taehv_slurm.goodput import attempt_rows, frame_of, run_totals
-from taehv_slurm.registry import find_record, read_registry, run_name
-from taehv_slurm.reports import slow_rank_note
+from taehv_slurm.registry import Registry, run_name
+from taehv_slurm.reports import describe_restart, slow_rank_note
 from taehv_slurm.runtime.provenance import commit_label, read_attempts
-from taehv_slurm.runtime.runfiles import EventLog
+from taehv_slurm.runtime.runfiles import EVENTS, METRICS, EventLog
 
 if TYPE_CHECKING:  # only for annotations: importing pandas/matplotlib costs seconds
     import pandas as pd
     import submitit
     from matplotlib.figure import Figure
+
+# What a status reads of a run's metrics.jsonl, from its end: the last lines of each attempt (its pace, for
+# ETTR) and of the run (the slow-rank note), at most this many each — the same for a run of any length.
+STATUS_LOG_LINES = 1000
 
 
 class JobHandle:
@@ -44,13 +47,16 @@ class JobHandle:
         self.record = dict(record or {})
         self.job_dir = Path(job_dir if job_dir is not None else cluster.job_dir)
         self.backend = backend_named(cluster.backend)
+        self.backend.watch(self.job_id, self)  # its state is asked with every other handle's
+        self._events_read: tuple[Any, list[dict[str, Any]]] | None = None  # (file and window, its events)
+        self._registry: Registry | None = None
 
     # ------------------------------------------------------------------------------- identity
     @classmethod
     def attach(cls, job_id: str | int, job_dir: str | os.PathLike = "runs") -> JobHandle:
         """Re-open a run submitted elsewhere (CLI, another kernel) from the job registry, by its job id or
         by its run name (then its newest job)."""
-        rec = find_record(str(job_id).strip(), job_dir)
+        rec = Registry.load(job_dir).find(str(job_id).strip())
         base = Path(job_dir)
         # Paths relative to job_dir where recorded (registry readable from any working directory).
         run_dir = base / rec["run"] if "run" in rec else Path(rec["run_dir"])
@@ -105,30 +111,40 @@ class JobHandle:
         return slurm.is_final(self.state)
 
     def wait(self, timeout_s: float | None = None, poll_s: float = 2.0, progress: bool = True,
-             until_step: int | None = None) -> str:
+             until_step: int | None = None, max_poll_s: float | None = None) -> str:
         """Block until the job ends (or, with `until_step`, until the run logged that step); returns the
         state.
 
+        It looks every `poll_s` seconds while the job changes (state, step, requeues), and 1.5 times
+        longer after each look that found nothing new, up to `max_poll_s` (default $TAEHV_POLL_MAX_S, 30 s)
+        on Slurm; a job's state is asked with every other handle's (one squeue call for them all).
         The progress display is a bar updated in place in a notebook, tqdm in a terminal, and one plain
         line per change otherwise (logs, CI).
         """
         from taehv_slurm.reports import Progress
 
         display = Progress(f"job {self.job_id}", self.total_steps, enabled=progress)
-        start = time.monotonic()
+        backoff = self.backoff(poll_s, max_poll_s)
+        start, seen = time.monotonic(), None
         try:
             while True:
                 state = self.state
                 step = self.last_step()
-                display.update(state, step, len(self.interruptions()))
+                now = (state, step, len(self.interruptions()))
+                display.update(*now)
                 if slurm.is_final(state) or (until_step is not None and (step or 0) >= until_step):
                     return state
                 if timeout_s is not None and time.monotonic() - start > timeout_s:
                     raise TimeoutError(f"job {self.job_id} still {state} at step {step} after "
                                        f"{timeout_s:.0f} s")
-                time.sleep(poll_s)
+                time.sleep(backoff.after(now != seen))
+                seen = now
         finally:
             display.close()
+
+    def backoff(self, poll_s: float, max_poll_s: float | None = None) -> jobstates.Backoff:
+        """A loop's rhythm: slower while nothing changes where a state is a question to a scheduler."""
+        return jobstates.Backoff(poll_s, max_poll_s if self.backend.asks_a_scheduler else poll_s)
 
     def result(self) -> Any:
         return self.job.result()
@@ -153,7 +169,7 @@ class JobHandle:
                hide_tracebacks: bool = False) -> str:
         """Print the rank's log from byte `position` as it grows until the job ends; returns the final state
         (see `LogFollower`)."""
-        return LogFollower(self, rank, position, hide_tracebacks).run(out, poll_s)
+        return LogFollower(self, rank, position, hide_tracebacks, poll_s).run(out, poll_s)
 
     def tail(self, n: int = 20, rank: int = 0) -> str:
         """The last `n` lines of one rank's log (every requeued run appends to the same file)."""
@@ -178,17 +194,21 @@ class JobHandle:
         A run folder can hold several jobs (a run resubmitted under its name resumes it); a job's events
         are those written between its submission and the next submission to the same folder.
         """
-        events = EventLog(self.run_dir / "events.jsonl").read()
+        path = self.run_dir / EVENTS
         if run_wide or "submitted_at" not in self.record:
-            return events
-        begin, end = self._time_window()
-        return [e for e in events if begin <= e.get("time", 0) < end]
+            return EventLog(path).read()
+        # Read from the end of the file back to the job's start, and again only once the file changed.
+        key = (_stamp(path), self._time_window())
+        if self._events_read is None or self._events_read[0] != key:
+            begin, end = key[1]
+            self._events_read = key, EventLog(path).window(since=begin, until=end)
+        return list(self._events_read[1])
 
     def _time_window(self) -> tuple[float, float]:
         begin = float(self.record["submitted_at"])
-        later = [float(r["submitted_at"]) for r in read_registry(self.job_dir)
-                 if run_name(r) == self.name and r["job_id"] != self.job_id
-                 and float(r["submitted_at"]) > begin]
+        self._registry = self._registry.refresh() if self._registry else Registry.load(self.job_dir)
+        later = [float(r["submitted_at"]) for r in self._registry.of_run(self.name)
+                 if r["job_id"] != self.job_id and float(r["submitted_at"]) > begin]
         return begin, min(later, default=math.inf)
 
     def interruptions(self, run_wide: bool = False) -> list[dict[str, Any]]:
@@ -271,20 +291,12 @@ class JobHandle:
 
     def last_step(self) -> int | None:
         """The last step rank 0 logged in this job (a run resubmitted under its name holds later jobs'
-        rows too: an older job's step is its own). The newest job reads only the end of metrics.jsonl."""
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return None
+        rows too: an older job's step is its own), read from the end of metrics.jsonl (for an older job,
+        from where its successor began)."""
         end = self._time_window()[1] if "submitted_at" in self.record else math.inf
-        if end != math.inf:
-            steps = [r["step"] for r in EventLog(path).read() if "step" in r and r.get("time", 0) < end]
-            return int(steps[-1]) if steps else None
-        with path.open("rb") as f:
-            f.seek(0, io.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            for line in reversed(f.read().decode(errors="replace").splitlines()):
-                with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError, ValueError):
-                    return int(json.loads(line)["step"])
+        for row in reversed(EventLog(self.run_dir / METRICS).window(until=end, limit=8, ordered=True)):
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                return int(row["step"])
         return None
 
     def metrics(self) -> pd.DataFrame:
@@ -310,19 +322,20 @@ class JobHandle:
         return slurm.sacct_frame(self.job_id, records=self._accounting_records(settle_s))
 
     def _accounting_records(self, settle_s: float = 10.0) -> list[dict[str, Any]]:
-        """`accounting()` as sacct's records (`slurm.sacct_records`), without pandas."""
-        records = slurm.sacct_records(self.job_id)
+        """`accounting()` as sacct's records (`slurm.sacct_records`), without pandas: the process's
+        answer (taehv_slurm.jobstates), asked again while it lags behind squeue."""
+        records = jobstates.accounting([self.job_id])[self.job_id]
         deadline = time.monotonic() + settle_s
         while self._accounting_behind(records) and time.monotonic() < deadline:
             time.sleep(0.5)
-            records = slurm.sacct_records(self.job_id)
+            records = jobstates.accounting([self.job_id], max_age_s=0)[self.job_id]
         return records
 
     def _accounting_behind(self, records: list[dict[str, Any]]) -> bool:
-        states = [r["State"] for r in records if r["JobID"] == self.job_id]
-        if not states or slurm.is_final(str(states[-1])):
+        state = slurm.last_state(self.job_id, records)
+        if state is None or slurm.is_final(state):
             return False  # no accounting here (or no record at all), or it has the end already
-        return slurm.is_final(slurm.squeue_state(self.job_id) or "PENDING")
+        return slurm.is_final(jobstates.queue_states([self.job_id])[self.job_id] or "PENDING")
 
     def goodput(self) -> pd.DataFrame:
         """One row per attempt of this job: allocated node-seconds (sacct's, where the site keeps
@@ -331,17 +344,27 @@ class JobHandle:
         are in `frame.attrs`."""
         return frame_of(self._goodput_rows())
 
-    def _goodput_rows(self) -> list[dict[str, Any]]:
-        """`goodput()`'s rows as plain dicts (taehv_slurm.goodput.attempt_rows), without pandas."""
+    def _goodput_rows(self, recent: bool = False) -> list[dict[str, Any]]:
+        """`goodput()`'s rows as plain dicts (taehv_slurm.goodput.attempt_rows), without pandas. recent:
+        each attempt's pace from its last STATUS_LOG_LINES log lines (a status), not from all of them."""
         from taehv_slurm.runtime.checkpoint import Checkpointer
 
-        rows = [r for r in EventLog(self.run_dir / "metrics.jsonl").read() if "loss" in r]
+        events = self.events()
+        rows = [r for r in (self._recent_rows(events) if recent else EventLog(self.run_dir / METRICS).read())
+                if "loss" in r]
         accounting = self._accounting_records() if self.backend.has_accounting else []
         final = Checkpointer(self.run_dir / "checkpoints").latest_step()
         spares = int((self.record.get("cluster") or {}).get("spare_nodes") or 0)  # held, idle unless needed
         nodes = int(self.record.get("nodes") or 1)
         ranks_per_node = max(1, int(self.record.get("world_size") or nodes) // nodes)
-        return attempt_rows(self.events(), rows, nodes + spares, final, accounting, ranks_per_node)
+        return attempt_rows(events, rows, nodes + spares, final, accounting, ranks_per_node)
+
+    def _recent_rows(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The last STATUS_LOG_LINES metrics lines of each attempt (from one start event to the next)."""
+        log = EventLog(self.run_dir / METRICS)
+        began = [float(e.get("began") or e["time"]) for e in events if e["event"] == "start"]
+        return [row for since, until in zip(began, [*began[1:], math.inf])
+                for row in log.window(since, until, limit=STATUS_LOG_LINES, ordered=True)]
 
     def config_history(self) -> pd.DataFrame:
         """One row per attempt of this run (every job of its run folder): job id, restart, step it started
@@ -354,7 +377,11 @@ class JobHandle:
     def summary(self) -> dict[str, Any]:
         """One status row: id, run, state, step/total, requeues, swept values, and why it stopped or
         failed; the note also names a rank named slow that cost the run ≥ SLOW_RANK_NOTE_SHARE of its step
-        time (taehv_slurm.reports.slow_rank_note)."""
+        time in its last STATUS_LOG_LINES log lines (taehv_slurm.reports.slow_rank_note). Its files are
+        read from their ends (events.jsonl from the job's start, metrics.jsonl's last lines of each
+        attempt: ETTR's pace): the same cost for a run of a hundred steps and one of a million."""
+        # goodput first: its sacct answer also gives the state of a job squeue no longer lists
+        totals = run_totals(self._goodput_rows(recent=True)) if "train" in self.record else {}
         step, total = self.last_step(), self.total_steps
         state = self.state
         note = self.stop_reason or (self.error if not slurm.is_success(state) else None) or ""
@@ -367,9 +394,9 @@ class JobHandle:
             note = "; ".join([*(f"requeued at step {e['step']} "
                                 f"({killed.get(e.get('segment')) or e['reason']})" for e in requeues),
                               *map(describe_restart, restarts)])
-        if slow := slow_rank_note(EventLog(self.run_dir / "metrics.jsonl").read()):
+        recent = EventLog(self.run_dir / METRICS).window(limit=STATUS_LOG_LINES, ordered=True)
+        if slow := slow_rank_note(recent):
             note = f"{note}; {slow}" if note else slow
-        totals = run_totals(self._goodput_rows()) if "train" in self.record else {}
         node_h = round(totals["allocated_node_s"] / 3600, 4) if totals else None
         return {"job_id": self.job_id, "run": self.name, "state": state,
                 "nodes": self.record.get("nodes"), "ranks": self.record.get("world_size"),
@@ -394,12 +421,15 @@ class LogFollower:
     """Prints a rank's log as it grows until the job ends; `position` is where it has read to, so a
     caller interrupted (Ctrl-C) can go on from there. A requeued job appends each run to the same log,
     so following keeps going across requeues. hide_tracebacks: no tracebacks and no submitit notes, for
-    a caller that prints the error once at the end, naming the log that holds the full text."""
+    a caller that prints the error once at the end, naming the log that holds the full text. The log is
+    read at every step; the job's state is asked again after `poll_s`, later while neither it nor the log
+    changes (`JobHandle.wait`'s rhythm)."""
 
     def __init__(self, handle: JobHandle, rank: int = 0, position: int = 0,
-                 hide_tracebacks: bool = False) -> None:
+                 hide_tracebacks: bool = False, poll_s: float = 1.0) -> None:
         self.handle, self.path, self.position = handle, handle.log_path(rank), position
         self.filter = _TracebackFilter() if hide_tracebacks else None
+        self.backoff, self.state, self.due = handle.backoff(poll_s), "", 0.0
 
     def run(self, out: TextIO | None = None, poll_s: float = 1.0) -> str:
         out = out or sys.stdout
@@ -410,7 +440,9 @@ class LogFollower:
     def step(self, out: TextIO) -> str:
         """Print what the log gained since the last call; returns the job's state, read before the file
         (a job that just ended has written its last line)."""
-        state = self.handle.state
+        if time.monotonic() >= self.due:
+            state, self.state = self.state, self.handle.state
+            self.due = time.monotonic() + self.backoff.after(state != self.state)
         if self.path.exists():
             with self.path.open("rb") as f:
                 if f.seek(0, 2) < self.position:  # truncated or replaced (never by Slurm's append mode)
@@ -420,10 +452,12 @@ class LogFollower:
                 self.position = f.tell()
             text = chunk.decode(errors="replace")
             text = self.filter.feed(text) if self.filter else text
+            if chunk:  # the job moves: its state is asked again soon
+                self.due = min(self.due, time.monotonic() + self.backoff.after(True))
             if text:
                 out.write(text)
                 out.flush()
-        return state
+        return self.state
 
 
 class _TracebackFilter:
@@ -456,11 +490,10 @@ class _TracebackFilter:
         return "".join(line + "\n" for line in kept)
 
 
-def describe_restart(restart: dict[str, Any]) -> str:
-    """'restarted at step 110 on tb1,tb3 after killed (tb2 left out; 4 → 4 ranks; training again 9 s
-    later)'."""
-    left = f"{','.join(restart['left_out'])} left out; " if restart.get("left_out") else ""
-    again = (f"; training again {restart['seconds_to_first_step']:.0f} s later"
-             if restart.get("seconds_to_first_step") is not None else "")
-    return (f"restarted at step {restart['step']} on {','.join(restart['nodes'])} after {restart['cause']} "
-            f"({left}{restart.get('world_before')} → {restart['world_after']} ranks{again})")
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    """What tells a file changed (inode, size, modification time); None where it does not exist."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns

@@ -1,14 +1,17 @@
 """Tables of several runs at once, each row from its `JobHandle`: their metrics (`runs_frame`, a sweep's
 results), their status (`status_frame`, what `taehv status` prints) and Slurm's accounting of every
 attempt (`accounting_frame`). The status table (`status_table`) is built without pandas; the frames
-import it when called."""
+import it when called. The states and accounting of all the runs of a table are one question to Slurm
+(`asked_once`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from taehv_slurm import jobstates
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.reports import final_row, memory_bytes, render_rows
 
@@ -48,10 +51,9 @@ def accounting_frame(handles: Sequence[JobHandle]) -> pd.DataFrame:
     import pandas as pd
 
     rows = []
-    for handle in handles:
-        if not handle.backend.has_accounting:
-            continue
-        frame = handle.accounting()
+    with asked_once(handles):
+        frames = [(h, h.accounting()) for h in handles if h.backend.has_accounting]
+    for handle, frame in frames:
         if frame.empty:
             continue
         steps = frame[frame["JobID"].str.contains(".", regex=False)]
@@ -75,14 +77,16 @@ def status_frame(handles: Sequence[JobHandle]) -> pd.DataFrame:
     """One status row per run (`JobHandle.summary`), swept values as columns, note last."""
     import pandas as pd
 
-    rows = [h.summary() for h in handles]
+    with asked_once(handles):
+        rows = [h.summary() for h in handles]
     return pd.DataFrame(rows, columns=_status_columns(rows))
 
 
 def status_rows(handles: Sequence[JobHandle]) -> list[dict[str, Any]]:
     """`status_frame`'s rows as dicts, every row with every column in its order (None where a run has no
     value), without pandas."""
-    rows = [h.summary() for h in handles]
+    with asked_once(handles):
+        rows = [h.summary() for h in handles]
     columns = _status_columns(rows)
     return [{c: row.get(c) for c in columns} for row in rows]
 
@@ -94,3 +98,16 @@ def _status_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
 def status_table(handles: Sequence[JobHandle]) -> str:
     """The runs as a left-aligned text table: one row per run, swept values as extra columns, note last."""
     return render_rows(status_rows(handles))
+
+
+@contextlib.contextmanager
+def asked_once(handles: Sequence[JobHandle]) -> Iterator[None]:
+    """Inside the block, the handles' states and accounting are the answer to one question for them all,
+    asked here (on Slurm: one sacct and one squeue call), however often they are read."""
+    with jobstates.held_answers():
+        by_backend: dict[type, list[JobHandle]] = {}
+        for handle in handles:
+            by_backend.setdefault(type(handle.backend), []).append(handle)
+        for group in by_backend.values():
+            group[0].backend.prefetch([h.job_id for h in group])
+        yield

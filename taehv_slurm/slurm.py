@@ -5,6 +5,9 @@ a job right now: requeue under way, time limit reached), `scontrol requeue` (the
 returns what Slurm answered — never what we hoped — and a command that cannot run (not installed, not
 on PATH, controller unreachable) is an answer too, with Slurm's own words.
 
+The states of many jobs are one squeue call (`squeue_states`) and one sacct call (`sacct_records` of a
+list of jobs); taehv_slurm.jobstates shares those answers within the process.
+
 `scontrol` is looked up once, where the job starts: the sbatch script exports its path as
 TAEHV_SCONTROL before the cluster config's `setup:` lines run, so a setup line that replaces PATH
 cannot take it away from the requeue that comes hours later. Inside a job, every command goes to the
@@ -167,10 +170,28 @@ def scontrol_missing(host: str) -> str | None:
 
 def squeue_state(job_id: str) -> str | None:
     """The state the controller lists for the job (PENDING, RUNNING, ..., and for MinJobAge after it ended
-    COMPLETED, FAILED, ...: on a cluster without accounting the only place a job's end shows), else None."""
-    answer = run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], timeout_s=30)
-    states = answer.output.split() if answer.ok else []
-    return states[0] if states else None
+    COMPLETED, FAILED, ...: on a cluster without accounting the only place a job's end shows), else None
+    (taehv_slurm.jobstates: the answer shared by the process)."""
+    from taehv_slurm import jobstates
+
+    return jobstates.queue_states([job_id])[job_id]
+
+
+def squeue_answer(job_id: str) -> Answer:
+    """squeue's own answer about one job now (`-o %T`), its error included ('Invalid job id')."""
+    return run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], timeout_s=30)
+
+
+def squeue_states(job_ids: Sequence[str]) -> dict[str, str]:
+    """One squeue call: the state of each of the jobs the controller lists (the others are not keys).
+    Array tasks are listed one by one (`-r`); an id Slurm does not know is left out."""
+    answer = run(["squeue", "-h", "-t", "all", "-r", "-j", ",".join(job_ids), "-o", "%i %T"], timeout_s=30)
+    listed: dict[str, str] = {}
+    for line in answer.output.splitlines() if answer.ok else []:
+        job_id, _, state = line.strip().partition(" ")
+        if state.strip():
+            listed.setdefault(job_id, state.strip())
+    return listed
 
 
 def run_scontrol(*args: str, timeout_s: float = 60, survive_term: bool = False,
@@ -343,18 +364,26 @@ SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "N
 
 
 def sacct_state(job_id: str) -> str | None:
-    states = [r["State"] for r in sacct_records(job_id) if r["JobID"] == job_id]
+    return last_state(job_id, sacct_records(job_id))
+
+
+def last_state(job_id: str, records: Sequence[Mapping[str, Any]]) -> str | None:
+    """The state of the job's last allocation record in its accounting (`sacct_records`)."""
+    states = [r["State"] for r in records if r["JobID"] == job_id]
     return str(states[-1]).split()[0] if states else None
 
 
 def job_state(job_id: str) -> str | None:
-    """Live state from squeue while the job is listed there, else its last state from accounting."""
-    return squeue_state(job_id) or sacct_state(job_id)
+    """Live state from squeue while the job is listed there, else its last state from accounting
+    (taehv_slurm.jobstates: the answer shared by the process)."""
+    from taehv_slurm import jobstates
+
+    return jobstates.job_states([job_id])[job_id]
 
 
 def sacct_records(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS) -> list[dict[str, Any]]:
     """sacct's rows as dicts (none when accounting is unavailable), with `Attempt` and, where Elapsed is
-    asked for, `ElapsedSeconds`.
+    asked for, `ElapsedSeconds`. `job_id` may list several jobs ('12,13_0'): one call for them all.
 
     With --duplicates every run of a requeued job is its own allocation record (State REQUEUED for all
     but the last): `Attempt` numbers them; a step carries its allocation's attempt. A run whose allocation
@@ -415,3 +444,4 @@ def elapsed_seconds(text: str) -> float:
     parts = [float(p) for p in re.split(r":", clock) if p]
     seconds = sum(v * 60 ** i for i, v in enumerate(reversed(parts)))
     return seconds + (int(days) * 86400 if days else 0)
+

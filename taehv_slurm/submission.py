@@ -35,7 +35,8 @@ from taehv_slurm.executor import SubmissionError, describe_sbatch_error, make_ex
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.messages import command
 from taehv_slurm.picklecheck import check_picklable
-from taehv_slurm.registry import REGISTRY, read_registry, record_submission, run_name
+from taehv_slurm.registry import REGISTRY, Registry, record_submission
+from taehv_slurm.runs import asked_once
 from taehv_slurm.runtime.backend import RankBackend
 from taehv_slurm.runtime.requeue import RequeueableTask, check_takes_context
 from taehv_slurm.runtime.runlock import lock_holder
@@ -222,15 +223,17 @@ def take_over_runs(run_dirs: Sequence[Path], job_dir: Path, force: bool) -> None
     """Refuse a run whose job is still pending or running (registry) or holds its lock; with force,
     cancel those jobs (they save at the signal) and wait until they have ended."""
     live: list[tuple[Path, str, JobHandle | None]] = []
-    registry = read_registry(job_dir)
+    registry = Registry.load(job_dir)
+    jobs = {run_dir: [JobHandle.attach(job_id, job_dir) for job_id in dict.fromkeys(
+        r["job_id"] for r in registry.of_run(run_dir.relative_to(job_dir).as_posix()))]
+        for run_dir in run_dirs}
+    with asked_once([h for handles in jobs.values() for h in handles]):  # one squeue for them all
+        states = {h.job_id: h.state for handles in jobs.values() for h in handles}
     for run_dir in run_dirs:
-        name = run_dir.relative_to(job_dir).as_posix()
-        ids = dict.fromkeys(r["job_id"] for r in registry if run_name(r) == name)
-        for job_id in ids:
-            handle = JobHandle.attach(job_id, job_dir)
-            state = handle.state
-            if not slurm.is_final(state):
-                live.append((run_dir, f"job {job_id} ({state})", handle))
+        ids = [h.job_id for h in jobs[run_dir]]
+        for handle in jobs[run_dir]:
+            if not slurm.is_final(states[handle.job_id]):
+                live.append((run_dir, f"job {handle.job_id} ({states[handle.job_id]})", handle))
         holder = lock_holder(run_dir)
         busy = describe_live(holder) if holder else None
         if busy and str(holder.get("job_id")) not in ids:

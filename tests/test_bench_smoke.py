@@ -128,6 +128,16 @@ def test_cli_latency_smoke(tmp_path: Path) -> None:
     assert all(row["median_s"] > 0 and not row["imports_torch"] for row in result["rows"])
 
 
+def test_status_scale_smoke(tmp_path: Path) -> None:
+    # A real 2-step tiny run copied into job_dirs of 20 and 50 runs, the newest with a 2,000-line metrics
+    # file; each status command timed in a fresh process, with its peak memory.
+    _, result = run_smoke("status_scale.py", tmp_path / "status.json")
+    commands = {"taehv status", "taehv status RUN", "taehv status --all"}
+    assert {(r["runs"], r["command"]) for r in result["rows"]} == {(n, c) for n in (20, 50) for c in commands}
+    assert all(r["median_s"] > 0 and 10 < r["max_rss_mb"] < 500 for r in result["rows"]), result["rows"]
+    assert result["metrics_frame"]["rows"] == 2000 and result["metrics_frame"]["seconds"] > 0
+
+
 def test_slurm_scaling_smoke(slurm_cluster, tmp_path: Path) -> None:
     # On the CPU testbed: the data prepared through `taehv prepare` on 2 nodes, then one training run over
     # them, with its steady clips/s and the NCCL variables read from its ranks' processes (none on CPU).

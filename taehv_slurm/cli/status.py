@@ -20,9 +20,9 @@ import sys
 from taehv_slurm.cli.common import add_job_dir, one_line_errors
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.messages import command
-from taehv_slurm.registry import read_registry
+from taehv_slurm.registry import Registry
 from taehv_slurm.reports import render
-from taehv_slurm.runs import accounting_frame, status_frame, status_table
+from taehv_slurm.runs import accounting_frame, asked_once, status_frame, status_table
 
 
 @one_line_errors
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.job_ids and args.all:
         p.error("give job ids or --all, not both")
-    ids = args.job_ids or list(dict.fromkeys(r["job_id"] for r in read_registry(args.job_dir)))
+    ids = args.job_ids or Registry.load(args.job_dir).job_ids()
     handles = [JobHandle.attach(i, args.job_dir) for i in (ids if args.job_ids or args.all else ids[-20:])]
     if not handles:
         print(f"no runs in {os.path.join(args.job_dir, 'registry.jsonl')} yet")
@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.goodput:
         import pandas as pd
 
-        frame = pd.concat([h.goodput().assign(job_id=h.job_id, run=h.name) for h in handles],
-                          ignore_index=True)
+        with asked_once(handles):
+            frame = pd.concat([h.goodput().assign(job_id=h.job_id, run=h.name) for h in handles],
+                              ignore_index=True)
     else:
         frame = accounting_frame(handles) if args.accounting else status_frame(handles)
     if args.accounting and frame.empty and args.format == "table":

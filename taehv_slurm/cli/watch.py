@@ -176,14 +176,17 @@ def follow_to_the_end(handle: JobHandle, stop_on_interrupt: bool, out: TextIO | 
 def follow_all(handles: Sequence[JobHandle], stop_on_interrupt: bool, out: TextIO | None = None,
                poll_s: float = 2.0, every_s: float = 30.0) -> tuple[list[str], bool]:
     """Several runs (a sweep) until every one has ended: a line per run when its state changes, and
-    at most every `every_s` seconds while its step moves. Returns (final states, interrupted)."""
+    at most every `every_s` seconds while its step moves. Returns (final states, interrupted). The states
+    of all the runs are one question to Slurm a poll, and the polls grow apart while no state changes
+    (`JobHandle.wait`'s rhythm)."""
     out = out or sys.stdout
     shown: dict[str, tuple[str, float]] = {}  # job id → (state, when a line was last printed)
     tails = {h.job_id: MetricsTail(h.run_dir) for h in handles}
-    interrupted = False
+    backoff = handles[0].backoff(poll_s)
+    interrupted, states = False, []
     while True:
         try:
-            states = [h.state for h in handles]
+            before, states = states, [h.state for h in handles]
             for handle, state in zip(handles, states):
                 last_state, when = shown.get(handle.job_id, ("", 0.0))
                 if state != last_state or (not is_final(state) and time.monotonic() - when >= every_s):
@@ -193,7 +196,7 @@ def follow_all(handles: Sequence[JobHandle], stop_on_interrupt: bool, out: TextI
                     shown[handle.job_id] = (state, time.monotonic())
             if all(is_final(s) for s in states):
                 return states, interrupted
-            time.sleep(poll_s)
+            time.sleep(backoff.after(states != before))
         except KeyboardInterrupt:
             if interrupted or not stop_on_interrupt:
                 if not stop_on_interrupt:

@@ -1,25 +1,36 @@
 """The run folder's small files: append-only JSON lines (events, registry, metrics) and atomic text.
 
-Every reader of a JSON-lines file goes through `EventLog.read`: a damaged line (cut short by a kill
-mid-write, junk bytes, a record without the fields the reader needs) is skipped with one warning naming
-the file and the lines, and the rest is read; a file that belongs to someone other than its folder's
-owner (planted there) is never read. Standard library only: the ranks, the local controller and the
-login node all use it.
+Every reader of a JSON-lines file goes through `EventLog`: `read` takes the whole file, `window` only its
+end (read backwards, block by block), or the stretch before a time found by bisection, so that what a
+status needs costs the same for a run of a hundred lines and one of a million. A damaged line (cut short
+by a kill mid-write, junk bytes, a record without the fields the reader needs) is skipped with one
+warning naming the file and the lines, and the rest is read; a file that belongs to someone other than
+its folder's owner (planted there) is never read. Standard library only: the ranks, the local controller
+and the login node all use it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from taehv_slurm.security import describe_user
+
+EVENTS = "events.jsonl"  # a run folder's events (taehv_slurm.runtime.context writes them)
+METRICS = "metrics.jsonl"  # rank 0's metrics, one line per logged step (taehv_slurm.trainer.metrics)
+BLOCK = 1 << 16  # bytes read at a time from a file's end
+# Several hosts write a run's events (the ranks, the local controller): a window read backwards stops this
+# many seconds before its start, so that lines a host with a clock behind wrote are still found.
+CLOCK_SKEW_S = 600.0
 
 
 class RunFileWarning(UserWarning):
@@ -50,42 +61,159 @@ class EventLog:
             stat = os.fstat(fd)
             if (planted := _planted(self.path, stat.st_uid)) is not None:
                 raise PermissionError(f"not writing to {self.path}: {planted}")
+            locked = _lock(fd)
+            stat = os.fstat(fd) if locked else stat  # an NFS client learns the file's true end at the lock
             # After a line cut short by a kill, start on a new line: the new event must stay whole.
             cut = stat.st_size > 0 and os.pread(fd, 1, stat.st_size - 1) != b"\n"
-            # one write of one line: appends never interleave
+            # one write of one line (O_APPEND): appends of other writers never interleave with it
             os.write(fd, (("\n" if cut else "") + line + "\n").encode())
             os.fsync(fd)
         finally:
-            os.close(fd)
+            os.close(fd)  # and the lock with it
 
     def read(self, required: Sequence[str] = ()) -> list[dict[str, Any]]:
         """Every whole event (with the `required` fields); damaged lines are skipped with one warning."""
-        try:
-            with open(self.path, "rb") as f:
-                if (planted := _planted(self.path, os.fstat(f.fileno()).st_uid)) is not None:
-                    warnings.warn(f"not reading {self.path}: {planted}", RunFileWarning, stacklevel=2)
-                    return []
-                data = f.read()
-        except FileNotFoundError:
-            return []
+        with self._open() as f:
+            data = f.read() if f is not None else b""
         events, damaged = [], []
         for number, raw in enumerate(data.split(b"\n"), 1):
             if not raw.strip():
                 continue
-            try:
-                event = json.loads(raw.decode())
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                event = None
-            if isinstance(event, dict) and all(k in event for k in required):
+            event = parse_line(raw)
+            if event is not None and all(k in event for k in required):
                 events.append(event)
             else:
                 damaged.append(number)
         if damaged:
-            shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
-            needs = f", or without {'/'.join(required)}" if required else ""
-            warnings.warn(f"{self.path}: skipped {len(damaged)} damaged line(s) (line {shown}: cut short, "
-                          f"not JSON{needs}); read the other {len(events)}", RunFileWarning, stacklevel=2)
+            warn_damaged(self.path, damaged, len(events), required, stacklevel=3)
         return events
+
+    def window(self, since: float = -math.inf, until: float = math.inf, limit: int | None = None,
+               ordered: bool = False) -> list[dict[str, Any]]:
+        """The events with `since` <= time < `until` (at most the last `limit` lines of them), oldest first,
+        read backwards from the end of the file, never the whole of a long one.
+
+        ordered: the file's lines are in time order (metrics.jsonl, one writer): reading starts where
+        `until` falls (found by bisection) and stops at the first line before `since`. Otherwise (events
+        from several hosts) it starts at the end and stops at a line CLOCK_SKEW_S before `since`. An
+        unfinished last line (being written) is left for the next read; damaged lines are skipped with
+        one warning."""
+        found: list[dict[str, Any]] = []
+        damaged = 0
+        with self._open() as f:
+            if f is None:
+                return []
+            end = f.seek(0, os.SEEK_END)
+            if ordered and until != math.inf:
+                end = _offset_of_time(f, end, until)
+            stop = since if ordered else since - CLOCK_SKEW_S
+            for raw, whole in _lines_backwards(f, end):
+                if not raw.strip():
+                    continue
+                event = parse_line(raw)
+                if event is None:
+                    damaged += whole
+                    continue
+                when = event.get("time", 0)
+                if not isinstance(when, int | float):
+                    continue
+                if when < stop:
+                    break
+                if since <= when < until:
+                    found.append(event)
+                    if limit is not None and len(found) >= limit:
+                        break
+        if damaged:
+            warnings.warn(f"{self.path}: skipped {damaged} damaged line(s) near its end (cut short, "
+                          f"not JSON); read the other {len(found)}", RunFileWarning, stacklevel=2)
+        return found[::-1]
+
+    @contextlib.contextmanager
+    def _open(self) -> Iterator[IO[bytes] | None]:
+        """The file open for reading, or None where it does not exist or was planted (with a warning)."""
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115  (closed below, also when the caller raises)
+        except FileNotFoundError:
+            yield None
+            return
+        with f:
+            if (planted := _planted(self.path, os.fstat(f.fileno()).st_uid)) is not None:
+                warnings.warn(f"not reading {self.path}: {planted}", RunFileWarning, stacklevel=3)
+                yield None
+            else:
+                yield f
+
+
+def warn_damaged(path: Path, numbers: Sequence[int], kept: int, required: Sequence[str] = (),
+                 stacklevel: int = 2) -> None:
+    """One warning for the damaged lines (`numbers`, 1-based) skipped in `path`, and how many were read."""
+    shown = ", ".join(map(str, numbers[:5])) + (", ..." if len(numbers) > 5 else "")
+    needs = f", or without {'/'.join(required)}" if required else ""
+    warnings.warn(f"{path}: skipped {len(numbers)} damaged line(s) (line {shown}: cut short, "
+                  f"not JSON{needs}); read the other {kept}", RunFileWarning, stacklevel=stacklevel + 1)
+
+
+def parse_line(raw: bytes) -> dict[str, Any] | None:
+    """One JSON line as a dict, None where it is not one (cut short, junk)."""
+    try:
+        event = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def _lines_backwards(f: IO[bytes], end: int) -> Iterator[tuple[bytes, bool]]:
+    """The lines of `f` before byte `end`, last first, each with whether it is whole (ended by a newline:
+    an unfinished last line is not)."""
+    position, pending, whole = end, b"", False
+    while position > 0:
+        start = max(0, position - BLOCK)
+        f.seek(start)
+        lines = (f.read(position - start) + pending).split(b"\n")
+        position, pending = start, lines[0]  # may begin in the block before
+        for line in reversed(lines[1:]):
+            yield line, whole
+            whole = True
+    yield pending, whole
+
+
+def _offset_of_time(f: IO[bytes], size: int, when: float) -> int:
+    """Where the first line with time >= `when` starts in a time-ordered file (else `size`), found by
+    bisection: a few small reads whatever the file's length. Lines without a time are stepped over."""
+    low, high = 0, size  # a line starting at `low` is before `when`, or low is 0; `high` is a line's start
+    while high - low > BLOCK:
+        probe = _line_after(f, (low + high) // 2, high)
+        if probe is None:
+            break  # one line longer than the span: read from `high`
+        start, time_ = probe
+        if time_ >= when:
+            high = start
+        else:
+            low = start
+    return high
+
+
+def _line_after(f: IO[bytes], offset: int, limit: int) -> tuple[int, float] | None:
+    """(start, time) of the first line with a time that starts after byte `offset` and before `limit`."""
+    f.seek(offset)
+    f.readline()  # the rest of the line `offset` falls in
+    while (start := f.tell()) < limit:
+        event = parse_line(f.readline())
+        if event is not None and isinstance(event.get("time"), int | float):
+            return start, float(event["time"])
+    return None
+
+
+def _lock(fd: int) -> bool:
+    """Hold a POSIX lock on the whole file while a line is appended, where the filesystem has locks: on
+    NFS, O_APPEND alone does not keep the writers of several hosts apart (each appends at the end it
+    cached), a lock does (the client revalidates the file under it). Lustre appends atomically by
+    itself and may be mounted without locks (then this returns False and O_APPEND is enough)."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+    except OSError:  # ENOLCK, ENOSYS, EOPNOTSUPP: no locks on this mount
+        return False
+    return True
 
 
 def _planted(path: Path, owner: int) -> str | None:
