@@ -22,10 +22,13 @@ from taehv_slurm.cli import watch
 from taehv_slurm.cli.common import (
     DEFAULT_CLUSTER,
     DEFAULT_TRAIN,
+    EXIT_DONE,
+    EXIT_FAILED,
     LOCAL_CLUSTER,
     flag_origins,
     load_cluster_from_args,
     one_line_errors,
+    stopped_exit_code,
     terminate_as_interrupt,
 )
 from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_train, split_overrides
@@ -122,14 +125,16 @@ def main(argv: list[str] | None = None) -> int:
     stop = backend.cancel_on_interrupt
     with terminate_as_interrupt():
         if len(handles) > 1:
-            states, interrupted = watch.follow_all(handles, stop_on_interrupt=stop)
-            return watch.report_all(handles, states, interrupted)
-        state, interrupted = watch.follow_to_the_end(handles[0], stop_on_interrupt=stop)
-        watch.report_end(handles[0], state, interrupted)
+            states, stopped = watch.follow_all(handles, stop_on_interrupt=stop)
+            return watch.report_all(handles, states, stopped)
+        state, stopped = watch.follow_to_the_end(handles[0], stop_on_interrupt=stop)
+        watch.report_end(handles[0], state, stopped)
     if args.task == "smoke" and is_success(state):
         for facts in sorted(handles[0].results(), key=lambda f: f["rank"]):
             print(facts)
-    return 0 if is_success(state) else 130 if interrupted else 1
+    if is_success(state):
+        return EXIT_DONE
+    return stopped_exit_code(stopped) if stopped is not None else EXIT_FAILED
 
 
 def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict], plans: list[ScalePlan],
