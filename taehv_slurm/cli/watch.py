@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from taehv_slurm.cli.common import EXIT_DONE, EXIT_FAILED, stop_signal, stopped_exit_code
+from taehv_slurm.cli.common import EXIT_DONE, EXIT_FAILED, export_path, stop_signal, stopped_exit_code
 from taehv_slurm.goodput import summary as goodput_summary
 from taehv_slurm.handle import JobHandle, LogFollower
 from taehv_slurm.messages import command
@@ -273,8 +273,7 @@ def summary_lines(handle: JobHandle) -> list[str]:
     if (run / "tb").is_dir():
         lines.append(f"tensorboard: tensorboard --logdir {run / 'tb'}")
     if latest is not None and "train" in handle.record:
-        lines.append(f"export:      {command('export')} {run} "
-                     f"--out {handle.name.replace('/', '_')}.safetensors")
+        lines.append(f"export:      {command('export')} {run} --out {export_path(run)}")
     return lines
 
 
