@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH=2.13.0
 TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu  # PyPI's Linux torch is a CUDA build of several GB
-export DEBIAN_FRONTEND=noninteractive PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+export DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 began=$SECONDS
 say() { echo "setup: $*"; }
 

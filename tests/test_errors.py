@@ -125,10 +125,11 @@ def test_no_slurm_here_is_one_line(tmp_path: Path) -> None:
         for args in (commands if n == 0 else commands[::2]):
             out = subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True,
                                  timeout=300, env={**environ, "PYTHONPATH": str(REPO)})
-            if args[0] == "jobs.preflight":
-                row = [line for line in out.stdout.splitlines() if line.startswith("partition")]
-                assert (out.returncode == 1
-                        and row == [f"partition          FAIL    {expected.removeprefix('error: ')}"])
+            if args[0] == "jobs.preflight":  # the reason is a row; the rows that need Slurm say so
+                rows = {line.split()[0]: line for line in out.stdout.splitlines()}
+                assert rows["Slurm"] == f"Slurm              SKIP    {expected.removeprefix('error: ')}"
+                assert rows["partition"].startswith("partition          SKIP    not checked here (no Slurm)")
+                assert out.returncode == 1 and "preflight FAILED: dataset" in out.stdout  # data/prepared
             else:
                 assert out.returncode == 2 and out.stderr.strip() == expected, out.stderr
     # nothing submitted, and preflight's writable check probes the job folder without creating it
