@@ -257,6 +257,21 @@ def test_unpicklable_task_names_the_attribute() -> None:
     check_picklable(lambda ctx: None)  # notebook lambdas and closures travel by value: fine
 
 
+def test_the_exit_code_table_is_the_codes_the_commands_use() -> None:
+    """docs/errors.md's exit codes are the CLI's (taehv_slurm.cli.common); the tests it names run each one."""
+    import signal
+
+    from taehv_slurm.cli.common import EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, stopped_exit_code
+
+    text = (REPO / "docs/errors.md").read_text()
+    section = text.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    codes = [int(row.split("|")[1]) for row in section.splitlines() if re.match(r"\| \d+ \|", row)]
+    assert codes == [EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, stopped_exit_code(signal.SIGINT),
+                     stopped_exit_code(signal.SIGTERM)] == [0, 1, 2, 130, 143]
+    cited = set(re.findall(r"tests/(test_\w+)\.py::", section))
+    assert {"test_local", "test_prepare", "test_launch"} <= cited  # every command's codes, run for real
+
+
 def test_every_test_the_docs_name_exists() -> None:
     """README.md and docs/*.md point at tests (`tests/FILE.py::NAME`, a block's `copied from`): each named
     test is defined in that file, so a renamed or removed test cannot leave the docs citing nothing."""
