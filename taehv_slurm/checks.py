@@ -31,6 +31,7 @@ from taehv_slurm.messages import first_line
 from taehv_slurm.plan import GPU_MEMORY_HEADROOM, ScalePlan
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.provenance import read_attempts
+from taehv_slurm.train_config import missing_data_folder
 
 RESULTS = ("PASS", "WARN", "FAIL", "SKIP")
 # Host memory of one rank's process besides what it computes with: python, torch and its libraries
@@ -165,6 +166,8 @@ def data_row(train: TrainConfig, budget_s: float, sample: int = DATA_CHECK_SAMPL
     """The trainer's readers on a sample of `train`'s data, in a process of their own (imports torch)."""
     if train.data.source == "synthetic":
         return Row("data", "SKIP", "data.source synthetic: clips are generated, nothing to read")
+    if missing := missing_data_folder(train.data):  # no reader needed to say so: no process, no torch
+        return Row("data", "FAIL", missing)
     request = json.dumps({"train": train.to_dict(), "sample": sample, "budget_s": budget_s})
     package_root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH"))

@@ -1,5 +1,6 @@
 """Preflight: check a cluster before a long run — configs, plan, dependencies, data, checkpoint space,
-Slurm's partition and nodes, and (optionally) a short job on the nodes. Each check adds rows
+Slurm's partition, nodes and settings (taehv_slurm.slurm_checks; `not checked here` where there is no
+Slurm), and (optionally) a short job on the nodes. Each check adds rows
 (check, PASS | FAIL | WARN | SKIP, detail); every FAIL names what to change. `taehv preflight`
 prints them.
 """
@@ -27,6 +28,7 @@ from taehv_slurm.executor import SubmissionError
 from taehv_slurm.plan import plan_for_cluster, taehv_param_count
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.security import UnsafePathError, check_not_shared_writable
+from taehv_slurm.slurm_checks import not_checked_rows, slurm_rows
 
 
 @dataclasses.dataclass
@@ -52,6 +54,7 @@ class Preflight:
         self.cluster: ClusterConfig | None = None
         self.train: TrainConfig | None = None
         self.plan: Any = None
+        self.no_slurm: str | None = None  # why Slurm cannot be reached from here: its rows are not checked
 
     def add(self, check: str, result: str, detail: str) -> None:
         self.rows.append(Row(check, result, detail))
@@ -208,106 +211,12 @@ class Preflight:
         if c is None:
             self.add("partition", "SKIP", "needs a valid cluster config")
             return
-        if backend_named(c.backend).runs_here:
+        backend = backend_named(c.backend)
+        if backend.runs_here:
             self.add("partition", "SKIP", f"backend {c.backend}: runs on this machine, no Slurm")
             return
-        part = self._check_partition(c)
-        if part is not None:
-            self._check_nodes(c, part)
-
-    def _check_partition(self, c: ClusterConfig) -> str | None:
-        """The partition row; the partition's name when it is usable."""
-        answer = slurm.sinfo(["-h", "-o", "%P|%a|%D|%l"])
-        if not answer.ok:
-            self.add("partition", "FAIL", answer.error)
-            return None
-        listed = {}
-        default = None
-        for line in answer.output.splitlines():
-            name, avail, count, limit = line.split("|")
-            if name.endswith("*"):
-                name = default = name[:-1]
-            listed[name] = (avail, int(count), limit)
-        part = c.partition or default
-        if part not in listed:
-            self.add("partition", "FAIL", f"partition {part!r} not found; "
-                                          f"sinfo lists: {', '.join(listed) or 'none'}: "
-                                          "set partition (or --partition) to one of them")
-            return None
-        avail, count, limit = listed[part]
-        limit_min = slurm.limit_minutes(limit)
-        if avail != "up":
-            self.add("partition", "FAIL", f"partition {part} is {avail}: ask the admins, or use another one")
-            return None
-        if limit_min is not None and c.time_min > limit_min:
-            self.add("partition", "FAIL", f"time_min {c.time_min} exceeds partition {part}'s limit of "
-                                          f"{limit}: lower time_min to {limit_min} (the job requeues itself "
-                                          "at the limit)")
-            return None
-        self.add("partition", "PASS", f"{part}: up, {count} node(s), time limit {limit}")
-        return part
-
-    def _check_nodes(self, c: ClusterConfig, part: str) -> None:
-        """The rows of what one node's share needs (GPUs, CPUs, memory) against the partition's nodes."""
-        answer = slurm.sinfo(["-h", "-N", "-p", part, "-o", "%N|%T|%c|%G|%m"])
-        if not answer.ok:
-            self.add("nodes", "FAIL", answer.error)
-            return
-        info = {}
-        for line in answer.output.splitlines():
-            host, state, cpus, gres, mem = line.split("|")
-            info[host] = (state.rstrip("*~#!%$@^-+").lower(), int(cpus), gres, int(mem or 0))
-        usable = {h: v for h, v in info.items() if v[0] in slurm.USABLE_NODE_STATES}
-        fits = self._resource_rows(c, info, usable)
-        # with no gres requested every usable node is in "gres"
-        fit = fits["gres"] & fits["cpus"] & fits["mem"]
-        detail = (f"{len(fit)} node(s) in {part} fit one node's share ({len(info)} in the partition, "
-                  f"{len(usable)} usable); need {c.nodes}")
-        if not fit:
-            self.add("nodes", "FAIL", f"{detail}: fix the rows above")
-        elif len(fit) < c.nodes:
-            self.add("nodes", "FAIL", f"{detail}: lower --nodes to {len(fit)} or pick another partition "
-                                      "(Slurm may accept the job and leave it pending forever)")
-        else:
-            self.add("nodes", "PASS", detail)
-
-    def _resource_rows(self, c: ClusterConfig, info: dict[str, tuple],
-                       usable: dict[str, tuple]) -> dict[str, set]:
-        """The GPUs, CPUs and memory rows; for each resource, the usable nodes that have enough."""
-        fits: dict[str, set[str]] = {"gres": set(), "cpus": set(), "mem": set()}
-        want_gres = slurm.parse_gres(c.gres_request or "")
-        need_cpus = int(c.tasks_per_node or 1) * c.cpus_per_task
-        for host, (_, cpus, gres, mem) in usable.items():
-            have = slurm.parse_gres(gres)
-            if all(have.get(key, 0) >= n for key, n in want_gres.items()):
-                fits["gres"].add(host)
-            if cpus >= need_cpus:
-                fits["cpus"].add(host)
-            if c.mem_gb is None or mem >= c.mem_gb * 1024:
-                fits["mem"].add(host)
-        offered = ", ".join(sorted({v[2] for v in info.values()})) or "none"
-        if want_gres:
-            ok = len(fits["gres"]) > 0
-            self.add("GPUs (gres)", "PASS" if ok else "FAIL",
-                     f"{len(fits['gres'])} of {len(usable)} usable node(s) "
-                     f"offer {c.gres_request} (nodes have "
-                     f"{offered})" + ("" if ok else ": set gpus_per_node (or gres) to what the nodes have"))
-        else:
-            self.add("GPUs (gres)", "SKIP", "no GPUs requested (gpus_per_node 0)")
-        most = max((v[1] for v in usable.values()), default=0)
-        ok = len(fits["cpus"]) > 0
-        self.add("CPUs", "PASS" if ok else "FAIL",
-                 f"{need_cpus} CPUs per node = {c.tasks_per_node} tasks × {c.cpus_per_task} cpus_per_task; "
-                 f"{len(fits['cpus'])} of {len(usable)} usable node(s) have that many (at most {most})"
-                 + ("" if ok else f": lower cpus_per_task to {max(1, most // int(c.tasks_per_node or 1))}"))
-        if c.mem_gb is not None:
-            ok = len(fits["mem"]) > 0
-            biggest = max((v[3] for v in usable.values()), default=0) / 1024
-            self.add("memory", "PASS" if ok else "FAIL",
-                     f"mem_gb {c.mem_gb:g} per node; {len(fits['mem'])} node(s) have that much (at most "
-                     f"{biggest:.0f} GB)"
-                     + ("" if ok else f": lower mem_gb to {int(biggest)} or leave it null"))
-        return fits
+        self.no_slurm = backend.unavailable_reason()
+        self.rows += not_checked_rows(c, self.no_slurm) if self.no_slurm else slurm_rows(c)
 
     # ------------------------------------------------------------------------------------- job
     def check_job(self) -> None:

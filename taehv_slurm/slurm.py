@@ -326,6 +326,16 @@ def sinfo(args: Sequence[str]) -> Answer:
     return Answer(False, error=f"sinfo failed: {answer.error}")
 
 
+def show_config(timeout_s: float = 30) -> dict[str, str] | Answer:
+    """`scontrol show config` as {name: value} (AccountingStorageType, PreemptMode, JobRequeue, ...); the
+    Answer when it failed."""
+    answer = run_scontrol("show", "config", timeout_s=timeout_s)
+    if not answer.ok:
+        return answer
+    pairs = (line.partition("=") for line in answer.output.splitlines())
+    return {name.strip(): value.strip() for name, sep, value in pairs if sep}
+
+
 def parse_gres(text: str) -> dict[str, int]:
     """'gpu:h100:8(S:0-1),gpu:2' → {'gpu': 10, 'gpu:h100': 8, ...}: count per name and per name:type."""
     counts: dict[str, int] = {}

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
+from taehv_slurm.messages import command
 from taehv_slurm.typed_yaml import check
 
 # What the data and teacher settings accept (checked here, used by the trainer, preflight and taehv prepare).
@@ -20,6 +22,27 @@ VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
 TeacherKind = Literal["none", "hunyuanvideo", "cogvideox", "wan"]
 # the video VAEs (none: latents from shards)
 TEACHER_KINDS: tuple[str, ...] = typing.get_args(TeacherKind)[1:]
+
+
+def video_folder_missing(root: object, extensions: typing.Sequence[str] = VIDEO_EXTENSIONS) -> str:
+    """The video reader's error for a folder that is not there (trainer.data.VideoFolderClips)."""
+    return (f"video folder {str(root)!r} does not exist or is not a directory; "
+            f"point the data root at a folder of {'/'.join(extensions)} files")
+
+
+def prepared_folder_missing(out: object) -> str:
+    """The prepared reader's error for a folder that is not there (trainer.manifest.read_manifest_info)."""
+    return (f"prepared data folder {out} does not exist; prepare it with "
+            f"`{command('prepare')} --data VIDEOS --out {out} --teacher-path VAE`")
+
+
+def missing_data_folder(data: DataConfig) -> str | None:
+    """The readers' one-line error (`ValueError: ...`, as the data check shows it) for a data folder that is
+    not there, else None: found before a process starts or torch is imported."""
+    if data.source == "synthetic" or os.path.isdir(data.path or ""):
+        return None
+    missing = video_folder_missing if data.source == "video" else prepared_folder_missing
+    return f"ValueError: {missing(data.path)}"
 
 
 def missing_engine_package(engine: str) -> str | None:

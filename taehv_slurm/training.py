@@ -30,6 +30,7 @@ from taehv_slurm.plan import ScalePlan, plan_for_cluster
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.context import grace_seconds
 from taehv_slurm.runtime.tasks import TaskRef
+from taehv_slurm.slurm_checks import not_checked_rows
 from taehv_slurm.submission import SubmissionError, check_job_dir, check_run_name, submit, submit_many
 from taehv_slurm.sweep import point_name, sweep_grid, sweep_trains
 
@@ -70,12 +71,11 @@ def submit_training(cluster: ClusterConfig, trains: TrainConfig | list[TrainConf
 
 def training_checks(cluster: ClusterConfig, trains: Sequence[TrainConfig], plans: Sequence[ScalePlan],
                     run_name: str | None, sweep: list[dict[str, Any]] | None = None,
-                    data: bool | None = None) -> list[Row]:
+                    data: bool | None = None, preview: bool = False) -> list[Row]:
     """The submit-time checks of these runs (taehv_slurm.checks); nothing is written. Raises ConfigError
-    for a bad run name or job_dir, or a missing engine package; SubmissionError where the backend cannot be
-    used from here (no Slurm): the data checks would not matter yet."""
-    if reason := backend_named(cluster.backend).unavailable_reason():
-        raise SubmissionError(reason)
+    for a bad run name or job_dir, or a missing engine package; where the backend cannot be used from here
+    (no Slurm) see `reachable_rows`."""
+    unreachable = reachable_rows(cluster, preview)
     if run_name is not None:
         check_run_name(run_name)
     check_job_dir(cluster.job_dir)
@@ -83,7 +83,21 @@ def training_checks(cluster: ClusterConfig, trains: Sequence[TrainConfig], plans
     if cluster.python is None and (missing := missing_engine_package(plans[0].engine)
                                    or missing_tracker_package(trains[0].tracking)):
         raise ConfigError(missing)
-    return submit_checks(cluster, trains, plans, run_folders(cluster, len(trains), run_name, sweep)[1], data)
+    return (submit_checks(cluster, trains, plans, run_folders(cluster, len(trains), run_name, sweep)[1], data)
+            + unreachable)
+
+
+def reachable_rows(cluster: ClusterConfig, preview: bool = False) -> list[Row]:
+    """No rows where the cluster's backend can be used from here. Where it cannot (no Slurm): a
+    SubmissionError in one line (the other checks would not matter yet), or for a preview (a dry run) the
+    rows only Slurm could answer, each `not checked here (no Slurm)`; the rest is checked as on a login
+    node."""
+    reason = backend_named(cluster.backend).unavailable_reason()
+    if reason is None:
+        return []
+    if not preview:
+        raise SubmissionError(reason)
+    return not_checked_rows(cluster, reason)
 
 
 def run_folders(cluster: ClusterConfig, count: int, run_name: str | None,

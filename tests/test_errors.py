@@ -125,10 +125,11 @@ def test_no_slurm_here_is_one_line(tmp_path: Path) -> None:
         for args in (commands if n == 0 else commands[::2]):
             out = subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True,
                                  timeout=300, env={**environ, "PYTHONPATH": str(REPO)})
-            if args[0] == "jobs.preflight":
-                row = [line for line in out.stdout.splitlines() if line.startswith("partition")]
-                assert (out.returncode == 1
-                        and row == [f"partition          FAIL    {expected.removeprefix('error: ')}"])
+            if args[0] == "jobs.preflight":  # the reason is a row; the rows that need Slurm say so
+                rows = {line.split()[0]: line for line in out.stdout.splitlines()}
+                assert rows["Slurm"] == f"Slurm              SKIP    {expected.removeprefix('error: ')}"
+                assert rows["partition"].startswith("partition          SKIP    not checked here (no Slurm)")
+                assert out.returncode == 1 and "preflight FAILED: dataset" in out.stdout  # data/prepared
             else:
                 assert out.returncode == 2 and out.stderr.strip() == expected, out.stderr
     # nothing submitted, and preflight's writable check probes the job folder without creating it
@@ -254,6 +255,21 @@ def test_unpicklable_task_names_the_attribute() -> None:
         check_picklable(TaskWithALock())
     assert f"UnpicklableTaskError: {err.value}" == documented("unpicklable-task")
     check_picklable(lambda ctx: None)  # notebook lambdas and closures travel by value: fine
+
+
+def test_the_exit_code_table_is_the_codes_the_commands_use() -> None:
+    """docs/errors.md's exit codes are the CLI's (taehv_slurm.cli.common); the tests it names run each one."""
+    import signal
+
+    from taehv_slurm.cli.common import EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, stopped_exit_code
+
+    text = (REPO / "docs/errors.md").read_text()
+    section = text.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    codes = [int(row.split("|")[1]) for row in section.splitlines() if re.match(r"\| \d+ \|", row)]
+    assert codes == [EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, stopped_exit_code(signal.SIGINT),
+                     stopped_exit_code(signal.SIGTERM)] == [0, 1, 2, 130, 143]
+    cited = set(re.findall(r"tests/(test_\w+)\.py::", section))
+    assert {"test_local", "test_prepare", "test_launch"} <= cited  # every command's codes, run for real
 
 
 def test_every_test_the_docs_name_exists() -> None:

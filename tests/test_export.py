@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import stat
 import subprocess
 import sys
@@ -75,10 +76,10 @@ def test_export_round_trip(run: Path, tmp_path: Path, name: str, flag: str | Non
 
 def test_readme_round_trip(run: Path, tmp_path: Path) -> None:
     readme = (REPO / "README.md").read_text()
-    command = re.search(r"`(taehv export runs/run1 --out taehv\.safetensors)`", readme).group(1)
+    command = re.search(r"`(taehv export runs/run1)` writes", readme).group(1)
     snippet = re.search(r"loads only here, and the export says so:\n\n```python\n(.*?)```", readme,
                         re.S).group(1)
-    (tmp_path / "runs").symlink_to(run.parent)
+    shutil.copytree(run, tmp_path / "runs" / "run1")
     # `python -m taehv_slurm` is the `taehv` script
     done = cli("taehv_slurm", *command.split()[1:], cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -87,6 +88,8 @@ def test_readme_round_trip(run: Path, tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env={"PYTHONPATH": str(REPO)})
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stderr
+    # by default the export lands inside the run folder: nothing beside the user's own files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
 
 
 def test_default_shape_exports_the_published_key_list(tmp_path: Path) -> None:

@@ -47,10 +47,12 @@ def test_passing_run_with_a_job_on_two_nodes(tmp_path: Path) -> None:
     nodes = sorted(check for check in rows if check.startswith("node "))
     assert len(nodes) == 2, rows
     for check in ("cluster config", "train config", "plan", "dependencies", "checkpoint folder", "partition",
-                  "GPUs (gres)", "CPUs", "nodes", "job", "rendezvous", *nodes,
+                  "GPUs (gres)", "CPUs", "nodes", "accounting", "requeue", "job", "rendezvous", *nodes,
                   "all-reduce 1 MiB", "all-reduce 4 MiB"):
         assert rows[check][0] == "PASS", (check, rows.get(check))
     assert "torch 2" in rows["dependencies"][1] and "deepspeed" in rows["dependencies"][1]
+    assert rows["accounting"][1].startswith("accounting_storage/slurmdbd: sacct keeps each attempt")
+    assert rows["requeue"][1].startswith("PreemptMode=OFF, JobRequeue=1; the job asks --requeue")
     assert rows["dataset"][0] == "WARN"
     assert ("2 of 3 sampled decode" in rows["dataset"][1]
             and "1 skipped and counted: skipping b/broken.mp4: unreadable" in rows["dataset"][1])

@@ -361,30 +361,64 @@ def shard_events(run_dir: Path) -> list[dict]:
     return [e for e in EventLog(run_dir / "events.jsonl").read() if e["event"] == "shard"]
 
 
-def test_sigterm_stops_a_local_prepare_and_the_command_resumes(videos: Path, tmp_path: Path) -> None:
-    # `kill`, `timeout` or a stopping container signal only the command (the ranks run in their own
-    # session): the job must stop with its finished shards kept, not go on without anyone following it.
-    argv = [sys.executable, "-m", "jobs.prepare", "--data", str(videos), "--out", str(tmp_path / "out"),
+def local_prepare(videos: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "jobs.prepare", "--data", str(videos), "--out", str(tmp_path / "out"),
             "--teacher-path", "random:tiny", "--frames", "8", "--height", "64", "--width", "64",
-            "--stride", "1", "--shard-size", "4", "--batch", "2", "--local", "--set", f"job_dir={tmp_path}"]
+            "--stride", "1", "--shard-size", "4", "--batch", "2", "--local", "--set", f"job_dir={tmp_path}",
+            *extra]
+
+
+def stopped_after_the_first_shard(argv: list[str], tmp_path: Path, stop: signal.Signals) -> tuple[int, str]:
+    """`argv` run as from a terminal, `stop` sent to the command once a shard is written: (exit, output)."""
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(lambda: [e for p in tmp_path.glob("prepare-*/events.jsonl") for e in shard_events(p.parent)],
                  300, "the first shard", poll_s=0.05)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, output[-3000:]
-    assert "interrupted: every rank saves" in output and "ended: CANCELLED" in output
-    assert "stopped: the shards written are kept" in output
+    return proc.returncode, output
+
+
+def test_sigterm_stops_a_local_prepare_and_the_command_resumes(videos: Path, tmp_path: Path) -> None:
+    # `kill`, `timeout` or a stopping container signal only the command (the ranks run in their own
+    # session): the job must stop with its finished shards kept, not go on without anyone following it.
+    argv = local_prepare(videos, tmp_path)
+    code, output = stopped_after_the_first_shard(argv, tmp_path, signal.SIGTERM)
+    assert code == 143, output[-3000:]  # docs/errors.md's exit codes
+    assert "terminated (SIGTERM): every rank saves" in output and "ended: CANCELLED" in output
+    assert "stopped: the shards written are kept" in output and "Ctrl-C" not in output
     kept = len(list((tmp_path / "out").glob("shards/*")))
     again = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resuming {tmp_path / 'out'}: " in again.stdout and "ended: COMPLETED" in again.stdout
     assert kept > 0 and "0 missing, 0 bad" in again.stdout
+
+
+def test_ctrl_c_stops_a_local_prepare(videos: Path, tmp_path: Path) -> None:
+    code, output = stopped_after_the_first_shard(local_prepare(videos, tmp_path), tmp_path, signal.SIGINT)
+    assert code == 130, output[-3000:]
+    assert "interrupted: every rank saves" in output and "(Ctrl-C again to end it without saving)" in output
+    assert "ended: CANCELLED" in output and "stopped: the shards written are kept" in output
+
+
+def test_a_local_prepare_whose_disk_fills_fails_with_exit_1(videos: Path, tmp_path: Path) -> None:
+    # A full disk from outside: every process of the command (the controller, the ranks) inherits a limit
+    # on the size of the files it writes: the index and the logs fit under it, a shard does not.
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+    done = subprocess.run(local_prepare(videos, tmp_path, "--set", "requeue_on_failure=false"), cwd=REPO,
+                          capture_output=True, text=True, timeout=300, preexec_fn=small_files)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "ended: FAILED" in done.stdout and "Traceback" not in done.stdout + done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("error: ")]  # the cause, once
+    assert line.startswith("error: OSError: cannot write ") and "File too large" in line, done.stderr
 
 
 @pytest.mark.usefixtures("slurm_cluster")

@@ -55,8 +55,8 @@ def check_rows(done: subprocess.CompletedProcess) -> dict[str, list[tuple[str, s
     lines = done.stdout.split("\nchecks:\n", 1)[1].splitlines()[2:]
     rows: dict[str, list[tuple[str, str]]] = {}
     for line in lines:
-        if line.startswith("a submit would be refused"):
-            break
+        if not re.match(r"\S.*?\s{2,}(PASS|WARN|FAIL|SKIP)\s{2,}", line):
+            break  # the table's end: the lines after it
         check, result, detail = re.split(r"\s{2,}", line, maxsplit=2)
         rows.setdefault(check, []).append((result, detail))
     return rows
@@ -138,6 +138,41 @@ def test_on_slurm_nothing_reaches_the_queue(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert [line.split(":")[0] for line in errors(done)] == ["data"]
     assert jobs_writing_under(job_dir) == [] and not job_dir.exists()
+
+
+def test_a_dry_run_with_no_slurm_checks_the_rest_as_on_a_login_node(tmp_path: Path) -> None:
+    """README's cluster block on a laptop: no Slurm commands on PATH, or a SLURM_CONF that names no file.
+    The plan, the sbatch script and every check that needs no Slurm come as on a login node; the rows that
+    need Slurm say so; the exit code is that of the rows checked. A submit itself still refuses in one
+    line, and nothing is written."""
+    base = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    laptops = {"no Slurm commands": {**base, "PATH": str(tmp_path / "bin")},
+               "no slurm.conf": {**base, "SLURM_CONF": str(tmp_path / "nowhere.conf")}}
+    dry = ["jobs.submit", "--cluster", "configs/cluster/h100_8gpu.yaml", "--nodes", "8", "--dry-run"]
+    for laptop, env in laptops.items():
+        # the shipped configs/train/taehv.yaml trains on data/prepared, which this folder lacks
+        done = cli(*dry, cwd=tmp_path, env=env)
+        assert done.returncode == 2, (laptop, done.stdout[-2000:] + done.stderr)
+        assert "#SBATCH --nodes=8" in done.stdout and "effective batch     128 = 64 ranks × 2" in done.stdout
+        rows = check_rows(done)
+        assert rows["data"][0][0] == "FAIL" and "prepared data folder data/prepared does not exist" in \
+            rows["data"][0][1]
+        assert [r for r, _ in rows["GPU memory"] + rows["host memory"] + rows["resume"]] == ["PASS"] * 3
+        (why,) = rows["Slurm"]
+        assert why[0] == "SKIP" and why[1].startswith("no Slurm here" if "commands" in laptop
+                                                      else f"SLURM_CONF={tmp_path / 'nowhere.conf'} names no")
+        for check in ("partition", "GPUs (gres)", "CPUs", "nodes", "accounting", "requeue"):
+            ((result, detail),) = rows[check]
+            assert result == "SKIP" and detail.startswith("not checked here (no Slurm): "), (check, detail)
+        assert done.stdout.rstrip().endswith("a submit would be refused: check data failed (nothing was "
+                                             "submitted)")
+        skipped = cli(*dry, "--skip-data-checks", cwd=tmp_path, env=env)
+        assert skipped.returncode == 0, skipped.stdout[-2000:] + skipped.stderr
+        assert ("on a login node, `python -m jobs.preflight --cluster configs/cluster/h100_8gpu.yaml "
+                "--nodes 8` checks the rows not checked here") in skipped.stdout
+        submit = cli(*dry[:-1], "--skip-data-checks", cwd=tmp_path, env=env)
+        assert submit.returncode == 2 and submit.stderr.count("\n") == 1 and "SLURM" in submit.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def jobs_writing_under(folder: Path) -> list[str]:

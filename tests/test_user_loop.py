@@ -37,7 +37,12 @@ def test_live_bar_summary_and_resubmitting_a_finished_run(tmp_path: Path) -> Non
     run = tmp_path / "runs" / "bar"
     assert f"checkpoint:  {Path('runs/bar/checkpoints/step_00000024')}" in end
     assert "tensorboard --logdir runs/bar/tb" in end
-    assert "python -m jobs.export runs/bar --out bar.safetensors" in end
+    # the export as printed writes inside the run folder (under job_dir), beside none of the user's files
+    (export,) = re.findall(r"export: +python -m (jobs\.export runs/bar --out runs/bar/bar\.safetensors)\r?\n",
+                           end)
+    exported = cli(*export.split(), cwd=tmp_path)
+    assert exported.returncode == 0 and (run / "bar.safetensors").is_file(), exported.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"]
 
     registry = (tmp_path / "runs" / "registry.jsonl").read_text()
     again = cli("jobs.submit", "--local", "--train", "configs/train/tiny.yaml", "--name", "bar",

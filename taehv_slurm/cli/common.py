@@ -14,6 +14,7 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 from taehv_slurm.config import ClusterConfig, load_cluster
 
@@ -30,6 +31,16 @@ def default_job_dir() -> str:
 def add_job_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job-dir", default=default_job_dir(),
                    help="the cluster config's job_dir (default $TAEHV_JOB_DIR or runs)")
+
+
+def export_path(source: Path) -> Path:
+    """Where `taehv export` writes by default: `<run>/<run>.safetensors` inside the run folder of `source`
+    (a run folder, its checkpoints/, a step_N folder or its state.pt), which is under job_dir, never beside
+    the user's files (nor in a checkout, where git would show it)."""
+    run = source.parent if source.name == "state.pt" else source
+    run = run.parent if run.name.startswith("step_") else run
+    run = run.parent if run.name == "checkpoints" else run
+    return run / f"{run.resolve().name}.safetensors"
 
 
 SHORTCUTS = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "partition": "--partition",
@@ -73,13 +84,34 @@ def load_cluster_from_args(args: argparse.Namespace, cluster_over: dict) -> Clus
                         **cluster_over)
 
 
+# Every command's exit codes (docs/errors.md, "Exit codes"): done; the run failed; refused before anything
+# ran (bad input, a failed check, no Slurm); stopped by a signal: 128 + its number, as a shell reports it
+# (130 Ctrl-C, 143 SIGTERM).
+EXIT_DONE, EXIT_FAILED, EXIT_REFUSED = 0, 1, 2
+
+
+def stopped_exit_code(signum: int) -> int:
+    return 128 + signum
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM to the CLI while it follows a job: handled as Ctrl-C is, said in its own words, exit 143."""
+
+    signum = signal.SIGTERM
+
+
+def stop_signal(stop: KeyboardInterrupt) -> int:
+    """The signal a KeyboardInterrupt stands for: SIGTERM for `Terminated`, else Ctrl-C's SIGINT."""
+    return getattr(stop, "signum", signal.SIGINT)
+
+
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
     """A SIGTERM to the CLI (`kill`, `timeout`, a stopping container) acts as Ctrl-C does while it follows a
     job: a job running on this machine is stopped and saved, not left running without it (its ranks run in
-    their own session, so only the CLI hears the signal)."""
+    their own session, so only the CLI hears the signal). It raises `Terminated`: the command exits 143."""
     def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
@@ -89,34 +121,35 @@ def terminate_as_interrupt() -> Iterator[None]:
 
 
 def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None]:
-    """Print known user errors as `error: ...` and exit 2; everything else keeps its traceback. The error
-    classes are imported only when something was raised: a command that succeeds loads none of the modules
-    they live in."""
+    """Print known user errors as `error: ...` and exit 2 (EXIT_REFUSED); everything else keeps its
+    traceback. A Ctrl-C or a SIGTERM that reaches here exits 130 or 143. The error classes are imported
+    only when something was raised: a command that succeeds loads none of the modules they live in."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         warnings.showwarning = _one_line_warning
         try:
             return main(*args, **kwargs)
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as stop:
+            signum = stop_signal(stop)
+            print("terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted", file=sys.stderr)
+            return stopped_exit_code(signum)
         except Exception as err:
             from taehv_slurm.checks import ChecksFailedError
 
             if isinstance(err, ChecksFailedError):  # every problem of the submit, one line each
                 for problem in err.problems:
                     print(f"error: {problem}", file=sys.stderr)
-                return 2
+                return EXIT_REFUSED
             if isinstance(err, _user_errors()):
                 print(f"error: {err}", file=sys.stderr)
-                return 2
+                return EXIT_REFUSED
             if isinstance(err, OSError) and err.filename is not None:
                 # a folder the CLI creates or writes (job_dir, run folders): read-only, no permission
                 print(f"error: {err.filename}: {err.strerror}; check that path and its permissions "
                       "(run folders go under job_dir in the cluster config: --set job_dir=DIR on storage "
                       "every node sees)", file=sys.stderr)
-                return 2
+                return EXIT_REFUSED
             raise
 
     return wrapper

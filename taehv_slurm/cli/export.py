@@ -1,8 +1,8 @@
 """Export a trained TAEHV in the published weight layout (.pth or .safetensors), plus `<out>.json`.
 
-    taehv export runs/run1 --out taehv.safetensors          # the run's latest checkpoint
+    taehv export runs/run1                         # its latest checkpoint to runs/run1/run1.safetensors
     taehv export runs/run1/checkpoints/step_00004000 --out taehv.pth --dtype fp32
-    taehv export run1 --out taehv.pth --job-dir runs         # a run name under the job_dir
+    taehv export run1 --out taehv.pth --job-dir runs   # a run name under the job_dir
 
 Load it with the published taehv.py (`TAEHV(checkpoint_path="taehv.pth")`) or
 `taehv_slurm.trainer.model.load_published_weights`.
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from taehv_slurm.cli.common import add_job_dir, one_line_errors
+from taehv_slurm.cli.common import add_job_dir, export_path, one_line_errors
 from taehv_slurm.messages import command
 from taehv_slurm.trainer.export import DTYPES, ExportError, export_weights
 
@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT",
                    help="a run folder, a checkpoints/step_N folder (or its state.pt), or a run name "
                         "under --job-dir")
-    p.add_argument("--out", required=True, help="the weight file to write: NAME.pth or NAME.safetensors")
+    p.add_argument("--out", help="the weight file to write: NAME.pth or NAME.safetensors (default "
+                                 "RUN/RUN.safetensors, inside the run folder)")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp16",
                    help="stored dtype (default fp16, as the published demo runs)")
     add_job_dir(p)
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if not source.exists() and (Path(args.job_dir) / args.source).exists():
         source = Path(args.job_dir) / args.source  # a run name, e.g. `run1` or `lr-sweep/lr=0.0001`
     try:
-        done = export_weights(source, args.out, args.dtype)
+        done = export_weights(source, args.out or export_path(source), args.dtype)
     except ExportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -10,7 +10,8 @@ MASTER_ADDR / MASTER_PORT = node 0's address. This launcher detects the node's G
 GPU (global rank = node index x GPUs per node + local rank) with torchrun's variables, and watches them.
 SIGTERM / SIGINT are passed on: the ranks save at the next step and exit, and the launcher exits 143
 (130 for SIGINT) so the platform restarts the node and the run resumes from `latest`. A rank that dies
-takes the node down at once with one line naming it. configs/platform/k8s-job.yaml is a full example.
+takes the node down at once with one line naming it (exit 1). configs/platform/k8s-job.yaml is a full
+example.
 """
 
 from __future__ import annotations

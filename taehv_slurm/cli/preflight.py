@@ -5,8 +5,10 @@
     taehv preflight --nodes 2 --cluster configs/cluster/testbed.yaml --train configs/train/tiny.yaml --job
 
 Prints one row per check (PASS, FAIL, WARN or SKIP) and exits 1 when a row FAILs. Each FAIL names what
-to change. The job (--job) runs the smoke task on every rank: GPUs each node's ranks can see, the
-rendezvous of all ranks, all-reduce bus bandwidth by message size, and each node's host and driver.
+to change. Where Slurm cannot be reached (a laptop), the rows that need it say `not checked here (no
+Slurm)` and the rest are checked. The job (--job) runs the smoke task on every rank: GPUs each node's
+ranks can see, the rendezvous of all ranks, all-reduce bus bandwidth by message size, and each node's host
+and driver.
 """
 
 from __future__ import annotations
@@ -68,9 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         print(table([Row("cluster config", "FAIL", str(err)),
                      Row("train config", "SKIP", "needs valid --set overrides")]))
         return 1
-    rows = Preflight(args.cluster, args.train, cluster_flag_overrides(args, cluster_over), train_over,
-                     options).run()
+    preflight = Preflight(args.cluster, args.train, cluster_flag_overrides(args, cluster_over), train_over,
+                          options)
+    rows = preflight.run()
     print(table(rows), flush=True)
+    if preflight.no_slurm:
+        print("the rows not checked here need Slurm: run the same command on a login node", flush=True)
     failed = [r.check for r in rows if r.result == "FAIL"]
     if failed:
         print(f"preflight FAILED: {', '.join(failed)}", flush=True)

@@ -26,13 +26,16 @@ from taehv_slurm.backends import backend_named
 from taehv_slurm.cli import watch
 from taehv_slurm.cli.common import (
     DEFAULT_CLUSTER,
+    EXIT_DONE,
+    EXIT_FAILED,
     LOCAL_CLUSTER,
     load_cluster_from_args,
     one_line_errors,
+    stopped_exit_code,
     terminate_as_interrupt,
 )
 from taehv_slurm.config import ClusterConfig, ConfigError, split_overrides
-from taehv_slurm.executor import sbatch_preview
+from taehv_slurm.executor import SubmissionError, sbatch_preview
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.messages import command
 from taehv_slurm.security import make_private_dir
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nsbatch script ({folder}/):\n{sbatch_preview(cluster, folder)}")
         return 0
 
+    if reason := backend_named(cluster.backend).unavailable_reason():
+        raise SubmissionError(reason)  # before the videos are indexed into --out
     if manifest is None:
         make_private_dir(out, cluster.group)
         print(f"indexing {settings.data} ...", flush=True)
@@ -177,16 +182,20 @@ def follow_and_verify(handle: JobHandle, stop_on_interrupt: bool, out: Path) -> 
     """Rank 0's log until the job ends, then the verified folder. Ctrl-C or SIGTERM stops a job of this
     machine (its finished shards are kept; the same command resumes) and only stops following another."""
     with terminate_as_interrupt():
-        state, interrupted = watch.follow_to_the_end(handle, stop_on_interrupt=stop_on_interrupt, bar=False)
-    if interrupted and not stop_on_interrupt:
-        return 130  # it only stopped following: the job runs on (the line printed says how to follow it)
+        state, stopped = watch.follow_to_the_end(handle, stop_on_interrupt=stop_on_interrupt, bar=False)
+    if stopped is not None and not stop_on_interrupt:
+        # it only stopped following: the job runs on (the line printed says how to follow it)
+        return stopped_exit_code(stopped)
     print(f"job {handle.job_id} ended: {state}")
-    if interrupted:
+    if stopped is not None:
         print(f"stopped: the shards written are kept; the same command resumes from them (verify: "
               f"{command('prepare')} --verify --out {out})", file=sys.stderr)
-        return 130
+        return stopped_exit_code(stopped)
     code = report_verify(out)
-    return code if is_success(state) else 1
+    if not is_success(state):
+        print(watch.failure_line(handle, state), file=sys.stderr)
+        return EXIT_FAILED
+    return code
 
 
 def report_verify(out: Path) -> int:
@@ -197,7 +206,7 @@ def report_verify(out: Path) -> int:
         print(f"train from it: {command('submit')} --set data.source=prepared --set data.path={out} --set "
               f"data.frames={frames} --set data.height={height} --set data.width={width} "
               "--set teacher.kind=none")
-    return 0 if report.ok else 1
+    return EXIT_DONE if report.ok else EXIT_FAILED
 
 
 if __name__ == "__main__":

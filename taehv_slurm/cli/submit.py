@@ -22,10 +22,13 @@ from taehv_slurm.cli import watch
 from taehv_slurm.cli.common import (
     DEFAULT_CLUSTER,
     DEFAULT_TRAIN,
+    EXIT_DONE,
+    EXIT_FAILED,
     LOCAL_CLUSTER,
     flag_origins,
     load_cluster_from_args,
     one_line_errors,
+    stopped_exit_code,
     terminate_as_interrupt,
 )
 from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_train, split_overrides
@@ -36,9 +39,10 @@ from taehv_slurm.plan import ScalePlan, plan_for_cluster
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.security import describe_secret_env
 from taehv_slurm.slurm import is_success
+from taehv_slurm.slurm_checks import NOT_CHECKED
 from taehv_slurm.submission import check_job_dir, check_run_name, submit
 from taehv_slurm.sweep import point_name, sweep_grid, sweep_trains
-from taehv_slurm.training import RunCompleteError, submit_training, training_checks
+from taehv_slurm.training import RunCompleteError, reachable_rows, submit_training, training_checks
 from taehv_slurm.typed_yaml import parse_set_args
 
 
@@ -94,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
                              f"{time.strftime('%Y%m%d-%H%M%S')}")
     if args.task == "train":
         checks = training_checks(cluster, trains, plans, run_name, sweep, data=False if args.skip_data_checks
-                                 else None)
+                                 else None, preview=args.dry_run)
     else:
         check_run_name(run_name)
-        checks = machine_rows(cluster)
+        checks = machine_rows(cluster) + (reachable_rows(cluster, preview=True) if args.dry_run else [])
     if args.dry_run:
-        return dry_run(cluster, trains, sweep, plans, run_name, checks)
+        preflight = (f"{command('preflight')} --cluster {args.cluster or DEFAULT_CLUSTER} "
+                     f"--nodes {cluster.nodes}")
+        return dry_run(cluster, trains, sweep, plans, run_name, checks, preflight)
     require_passing(checks)
     for row in checks:  # what the user should know before the job waits in the queue
         if row.result == "WARN" or row.check == "changed":
@@ -122,20 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     stop = backend.cancel_on_interrupt
     with terminate_as_interrupt():
         if len(handles) > 1:
-            states, interrupted = watch.follow_all(handles, stop_on_interrupt=stop)
-            return watch.report_all(handles, states, interrupted)
-        state, interrupted = watch.follow_to_the_end(handles[0], stop_on_interrupt=stop)
-        watch.report_end(handles[0], state, interrupted)
+            states, stopped = watch.follow_all(handles, stop_on_interrupt=stop)
+            return watch.report_all(handles, states, stopped)
+        state, stopped = watch.follow_to_the_end(handles[0], stop_on_interrupt=stop)
+        watch.report_end(handles[0], state, stopped)
     if args.task == "smoke" and is_success(state):
         for facts in sorted(handles[0].results(), key=lambda f: f["rank"]):
             print(facts)
-    return 0 if is_success(state) else 130 if interrupted else 1
+    if is_success(state):
+        return EXIT_DONE
+    return stopped_exit_code(stopped) if stopped is not None else EXIT_FAILED
 
 
 def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict], plans: list[ScalePlan],
-            run_name: str, checks: list[Row]) -> int:
+            run_name: str, checks: list[Row], preflight: str) -> int:
     """Print the job, the plan of every run, the sbatch script and the submit-time checks; submit nothing.
-    Exit 2 when a check FAILs (the submit would refuse)."""
+    Exit 2 when a check FAILs (the submit would refuse). Where Slurm cannot be reached, the rows that need it
+    say `not checked here (no Slurm)` and the line after the table names `preflight`, the command that
+    checks them on a login node."""
     check_job_dir(cluster.job_dir)
     run_dir = Path(cluster.job_dir) / run_name
     where = f"partition {cluster.partition}" if cluster.partition else "default partition"
@@ -157,6 +167,8 @@ def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict]
         print(f"\nsbatch script ({run_dir}/submitit/):\n{script}")
     if checks:
         print(f"\nchecks:\n{table(checks)}")
+    if any(r.detail.startswith(NOT_CHECKED) for r in checks):
+        print(f"on a login node, `{preflight}` checks the rows not checked here")
     failed = [r.check for r in checks if r.result == "FAIL"]
     if failed:
         print(f"a submit would be refused: check{'s' if len(set(failed)) > 1 else ''} "

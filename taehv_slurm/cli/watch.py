@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from taehv_slurm.cli.common import EXIT_DONE, EXIT_FAILED, export_path, stop_signal, stopped_exit_code
 from taehv_slurm.goodput import summary as goodput_summary
 from taehv_slurm.handle import JobHandle, LogFollower
 from taehv_slurm.messages import command
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.slurm import is_final, is_success
+
+# What the CLI says when Ctrl-C or a SIGTERM stops a job of this machine: (what it heard, how to end the job
+# at once without saving).
+STOP_WORDS = {signal.SIGINT: ("interrupted", "Ctrl-C again"),
+              signal.SIGTERM: ("terminated (SIGTERM)", "a second SIGTERM")}
 
 
 class MetricsTail:
@@ -129,13 +136,13 @@ class _Bar:
 
 
 def follow_to_the_end(handle: JobHandle, stop_on_interrupt: bool, out: TextIO | None = None,
-                      bar: bool | None = None) -> tuple[str, bool]:
+                      bar: bool | None = None) -> tuple[str, int | None]:
     """Stream rank 0's log (with the bar line in a terminal, or with bar=True) until the job ends:
-    (final state, interrupted by Ctrl-C).
+    (final state, the signal that stopped following — SIGINT for Ctrl-C, SIGTERM — or None).
 
-    Ctrl-C on a job of this machine stops it as a preemption would: every rank saves at its next step,
-    then the job ends CANCELLED (a second Ctrl-C ends it without waiting). On a cluster Ctrl-C only
-    stops following; the job runs on."""
+    Ctrl-C (or a SIGTERM, see common.terminate_as_interrupt) on a job of this machine stops it as a
+    preemption would: every rank saves at its next step, then the job ends CANCELLED (a second one ends it
+    without waiting). On a cluster it only stops following; the job runs on."""
     out = out or sys.stdout
     follower = LogFollower(handle, rank=0, hide_tracebacks=True)
     live = _Bar(out) if (out.isatty() if bar is None else bar) else None
@@ -154,36 +161,39 @@ def follow_to_the_end(handle: JobHandle, stop_on_interrupt: bool, out: TextIO | 
             time.sleep(1.0)
 
     try:
-        return run(), False
-    except KeyboardInterrupt:
+        return run(), None
+    except KeyboardInterrupt as stop:
+        signum = stop_signal(stop)
         if live is not None:
             live.close()
         if not stop_on_interrupt:
             print(f"\nstopped following; job {handle.job_id} runs on "
                   f"({command('logs')} {handle.job_id} --follow)",
                   file=out)
-            return handle.state, True
-    print(f"\ninterrupted: every rank saves at its next step, then job {handle.job_id} ends "
-          "(Ctrl-C again to end it without saving)", file=out, flush=True)
+            return handle.state, signum
+    heard, again = STOP_WORDS[signum]
+    print(f"\n{heard}: every rank saves at its next step, then job {handle.job_id} ends "
+          f"({again} to end it without saving)", file=out, flush=True)
     handle.cancel()
     try:
-        return run(), True
+        return run(), signum
     except KeyboardInterrupt:
         handle.cancel()  # a second stop signal: the controller ends the ranks at once
-        return follower.run(out), True
+        return follower.run(out), signum
 
 
 def follow_all(handles: Sequence[JobHandle], stop_on_interrupt: bool, out: TextIO | None = None,
-               poll_s: float = 2.0, every_s: float = 30.0) -> tuple[list[str], bool]:
+               poll_s: float = 2.0, every_s: float = 30.0) -> tuple[list[str], int | None]:
     """Several runs (a sweep) until every one has ended: a line per run when its state changes, and
-    at most every `every_s` seconds while its step moves. Returns (final states, interrupted). The states
-    of all the runs are one question to Slurm a poll, and the polls grow apart while no state changes
-    (`JobHandle.wait`'s rhythm)."""
+    at most every `every_s` seconds while its step moves. Returns (final states, the signal that stopped
+    following or None). The states of all the runs are one question to Slurm a poll, and the polls grow
+    apart while no state changes (`JobHandle.wait`'s rhythm)."""
     out = out or sys.stdout
     shown: dict[str, tuple[str, float]] = {}  # job id → (state, when a line was last printed)
     tails = {h.job_id: MetricsTail(h.run_dir) for h in handles}
     backoff = handles[0].backoff(poll_s)
-    interrupted, states = False, []
+    stopped: int | None = None
+    states: list[str] = []
     while True:
         try:
             before, states = states, [h.state for h in handles]
@@ -195,24 +205,25 @@ def follow_all(handles: Sequence[JobHandle], stop_on_interrupt: bool, out: TextI
                     print(f"{handle.name}: {line}", file=out, flush=True)
                     shown[handle.job_id] = (state, time.monotonic())
             if all(is_final(s) for s in states):
-                return states, interrupted
+                return states, stopped
             time.sleep(backoff.after(states != before))
-        except KeyboardInterrupt:
-            if interrupted or not stop_on_interrupt:
+        except KeyboardInterrupt as stop:
+            if stopped is not None or not stop_on_interrupt:
                 if not stop_on_interrupt:
                     print(f"\nstopped following; the runs go on ({command('status')})", file=out)
-                    return [h.state for h in handles], True
+                    return [h.state for h in handles], stop_signal(stop)
                 for handle in handles:
                     handle.cancel()  # a second stop: the controllers end their ranks at once
                 continue
-            interrupted = True
-            print("\ninterrupted: every run saves at its next step, then ends "
-                  "(Ctrl-C again to end them without saving)", file=out, flush=True)
+            stopped = stop_signal(stop)
+            heard, again = STOP_WORDS[stopped]
+            print(f"\n{heard}: every run saves at its next step, then ends "
+                  f"({again} to end them without saving)", file=out, flush=True)
             for handle in handles:
                 handle.cancel()
 
 
-def report_end(handle: JobHandle, state: str, interrupted: bool, out: TextIO | None = None,
+def report_end(handle: JobHandle, state: str, stopped: int | None, out: TextIO | None = None,
                err: TextIO | None = None) -> None:
     """The job's end: its state, then for a finished run the summary (`summary_lines`), for a failure
     the error once and where the traceback is, for a stop where it was saved and how to resume."""
@@ -221,14 +232,18 @@ def report_end(handle: JobHandle, state: str, interrupted: bool, out: TextIO | N
     if is_success(state):
         print("\n".join(summary_lines(handle)), file=out)
         return
-    if state.startswith("CANCELLED") or interrupted:
+    if state.startswith("CANCELLED") or stopped is not None:
         saved = [e["step"] for e in handle.events() if e["event"] in ("cancelled", "requeue")]
         where = f"saved at step {saved[-1]}" if saved else "stopped before it saved a step"
         print(f"{where}; resume with: {command('submit')} --name {handle.name} and the same flags", file=err)
         return
-    print(f"error: {handle.error or 'the job ended ' + state}; "
-          f"full traceback: {handle.log_path(handle.failed_rank or 0)}",
-          file=err)
+    print(failure_line(handle, state), file=err)
+
+
+def failure_line(handle: JobHandle, state: str) -> str:
+    """`error: <the failing rank's error>; full traceback: <its log>` for a job that ended `state`."""
+    return (f"error: {handle.error or 'the job ended ' + state}; "
+            f"full traceback: {handle.log_path(handle.failed_rank or 0)}")
 
 
 def summary_lines(handle: JobHandle) -> list[str]:
@@ -261,27 +276,26 @@ def summary_lines(handle: JobHandle) -> list[str]:
     if (run / "tb").is_dir():
         lines.append(f"tensorboard: tensorboard --logdir {run / 'tb'}")
     if latest is not None and "train" in handle.record:
-        lines.append(f"export:      {command('export')} {run} "
-                     f"--out {handle.name.replace('/', '_')}.safetensors")
+        lines.append(f"export:      {command('export')} {run} --out {export_path(run)}")
     return lines
 
 
-def report_all(handles: Sequence[JobHandle], states: Sequence[str], interrupted: bool,
+def report_all(handles: Sequence[JobHandle], states: Sequence[str], stopped: int | None,
                out: TextIO | None = None, err: TextIO | None = None) -> int:
     """The end of several runs: one status table, each failure's error once; the exit code (0 when every
-    run completed, 130 when interrupted, else 1)."""
+    run completed, 130 or 143 when Ctrl-C or a SIGTERM stopped them, else 1)."""
     from taehv_slurm.runs import status_table
 
     out, err = out or sys.stdout, err or sys.stderr
     print(status_table(handles), file=out)
     failed = [(h, s) for h, s in zip(handles, states) if not is_success(s)]
     for handle, state in failed:
-        if not (interrupted and state.startswith("CANCELLED")):
+        if not (stopped is not None and state.startswith("CANCELLED")):
             print(f"error: {handle.name} (job {handle.job_id}) ended {state}: "
                   f"{handle.error or 'see its log'}; "
                   f"full traceback: {handle.log_path(handle.failed_rank or 0)}", file=err)
     if not failed:
         print(f"every run completed; compare them with taehv_slurm.runs_frame([...], final=True) or "
               f"{command('status')} {' '.join(h.job_id for h in handles)}", file=out)
-        return 0
-    return 130 if interrupted else 1
+        return EXIT_DONE
+    return stopped_exit_code(stopped) if stopped is not None else EXIT_FAILED

@@ -91,15 +91,15 @@ def nccl_environ(num_nodes: int, ranks_per_node: int, device: str, train: TrainC
 
 
 def supervise(node_rank: int, grace_s: float, commands: list[RankCommand]) -> int:
-    """Run the node's ranks; the launcher's exit code: 0, the failed rank's code, or 128 + the stop signal."""
+    """Run the node's ranks; the launcher's exit code (docs/errors.md, "Exit codes"): 0, 1 when a rank failed
+    (its own code is in the line that names it), or 128 + the stop signal (143 SIGTERM, 130 SIGINT)."""
     outcome = Supervisor(grace_s, say=lambda line: say(f"[launch] node {node_rank}: {line}")).run(commands)
     labels = [c.label for c in commands]
     if outcome.failed is not None:
         say(f"error: node {node_rank}: {outcome.describe_failure(labels)}; "
             f"stopped the {outcome.stopped_others} other rank(s) of this node; "
             f"{labels[outcome.failed].split(' (')[0]}'s output above says why", err=True)
-        code = outcome.exit_codes[outcome.failed] or 1
-        return code if code > 0 else 128 - code
+        return 1
     if outcome.stop_signal is not None:
         name = signal.Signals(outcome.stop_signal).name
         say(f"[launch] node {node_rank}: all ranks exited after {name}; "

@@ -51,7 +51,7 @@ class Outcome:
     failed: int | None = None  # index of the rank that failed first (no stop signal, not a requeue)
     stopped_others: int = 0  # ranks still running when it failed, ended by the supervisor
     requeue: bool = False  # a rank exited with the requeue code
-    stop_signal: int | None = None  # the first stop signal passed on (from outside or a deadline)
+    stop_signal: int | None = None  # the first stop signal, as heard from outside (or a deadline's)
     killed: bool = False  # ranks were still alive after the grace and were killed
     timed_out: bool = False  # the time limit (a SIGTERM deadline) was reached
 
@@ -177,12 +177,14 @@ class Supervisor:
         self.say(f"caught {signal.Signals(signum).name}; sending {signal.Signals(forward).name} "
                  f"to {alive} rank(s): "
                  "they save at the next step and exit")
-        self._forward(forward, grace=signum != signal.SIGUSR2)
+        self._forward(forward, grace=signum != signal.SIGUSR2, heard=signum)
 
-    def _forward(self, signum: int, grace: bool) -> None:
+    def _forward(self, signum: int, grace: bool, heard: int | None = None) -> None:
+        """Send `signum` to every live rank; `heard`: the signal from outside it stands for (SIGINT is
+        passed on as SIGTERM, and the launcher's exit code still says SIGINT)."""
         with self._lock:
             if self.outcome.stop_signal in (None, signal.SIGUSR2):
-                self.outcome.stop_signal = signum
+                self.outcome.stop_signal = heard or signum
             if grace:
                 self.stop_deadline = min(self.stop_deadline, time.monotonic() + self.grace_s)
             for proc in self.procs:

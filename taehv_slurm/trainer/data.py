@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from taehv_slurm.config import VIDEO_EXTENSIONS
 from taehv_slurm.runtime.signals import ignore_in_worker
+from taehv_slurm.train_config import video_folder_missing
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +201,7 @@ class VideoFolderClips(Dataset):
         self._bad_windows: set[int] = set()
 
         if not self.root.is_dir():
-            raise ValueError(f"video folder {str(self.root)!r} does not exist or is not a directory; "
-                             f"point the data root at a folder of {'/'.join(self.extensions)} files")
+            raise ValueError(video_folder_missing(self.root, self.extensions))
         files = sorted((p for p in self.root.rglob("*")
                         if p.suffix.lower() in self.extensions and p.is_file()),
                        key=lambda p: p.relative_to(self.root).as_posix())

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from taehv_slurm.config import TEACHER_KINDS, VIDEO_EXTENSIONS, ConfigError
 from taehv_slurm.messages import command
 from taehv_slurm.runtime.runfiles import write_text_atomic
+from taehv_slurm.train_config import prepared_folder_missing
 from taehv_slurm.trainer.shapes import SPATIAL_FACTOR, TIME_FACTOR
 
 if TYPE_CHECKING:
@@ -194,8 +195,7 @@ def read_manifest_info(out: str | os.PathLike) -> dict[str, Any]:
     """prepare.json of a prepared folder, or a one-line PrepareError saying what the folder is not."""
     out = Path(out)
     if not out.is_dir():
-        raise PrepareError(f"prepared data folder {out} does not exist; prepare it with "
-                           f"`{command('prepare')} --data VIDEOS --out {out} --teacher-path VAE`")
+        raise PrepareError(prepared_folder_missing(out))
     path = out / MANIFEST_FILE
     if not path.is_file():
         raise PrepareError(f"{out} is not a prepared data folder (no {MANIFEST_FILE}); prepare it with "
