@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host; faults: all of them).
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
-#   PART: student | kernels | teacher | data | signal | watchers | gpu_tests | multi | faults | all
+#   PART: student | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi | faults | all
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
-# was measured, e.g. e2e_start_warm) and its output beside it as .log.
-# Wheels missing from the GPU image (deepspeed, submitit, av, diffusers, ...) must already be importable.
+# was measured, e.g. e2e_start_warm) and its output beside it as .log; gpu_tests writes
+# OUTDIR/gpu_tests_<gpu>_<date>_<commit>.txt: `pytest -m gpu` whole, its wall time, every test's outcome and
+# duration.
+# Wheels missing from the GPU image (deepspeed, submitit, av, diffusers, pytest-timeout, ...) may be carried in
+# .whl/ (scripts/device_carry.sh fills it): installed into /tmp/site, as bench/gpu_cluster_run.sh does.
 set -uo pipefail
+cd "$(dirname "$0")/.."
 part=${1:-all}; out=${2:-bench/results}; mkdir -p "$out"
+[[ $part == tests ]] && part=gpu_tests
 export TORCH_CUDA_ARCH_LIST=9.0 PYTHONUNBUFFERED=1   # DeepSpeed's op builder cannot parse "9.0a"
+if [[ -d .whl && ! -e /tmp/site/.done ]]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done
+fi
+[[ -d /tmp/site ]] && export PYTHONPATH=/tmp/site:$PWD || export PYTHONPATH=$PWD
 gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
 # <gpu>_<date>_<commit> of this run, as bench/_record.py names its results
 tag() { python3 -c "import datetime, sys, torch; from bench._record import code_version, result_name
@@ -49,8 +59,18 @@ fi
 if want watchers; then
   LIMIT=1500 run e2e_watchers_ab 1 python3 bench/e2e_throughput.py --sources prepared --watchers-ab 2
 fi
-if want gpu_tests; then
-  NOJSON=1 LIMIT=1500 run gpu_tests 1 python3 -m pytest -m gpu -n 0 -q -p no:cacheprovider
+if want gpu_tests; then  # pytest -m gpu whole, from an empty compile cache (a fresh machine's), timed
+  file="$out/gpu_tests_$(tag 1).txt"; cache=$(mktemp -d /tmp/taehv-gpu-tests-XXXX)
+  { echo "# python3 -m pytest -o addopts= -m gpu -q -rA --durations=0 -p no:cacheprovider (bash bench/run_gpu_benchmarks.sh gpu_tests)"
+    echo "# $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); $(python3 -c 'import torch; print("torch", torch.__version__)')"
+    echo "# code: $(git rev-parse --short HEAD)$([[ -n $(git status --porcelain --untracked-files=no) ]] && echo ' with uncommitted changes'); one compile cache for the session, empty at its start"
+  } > "$file"
+  began=$(date +%s.%N)
+  TORCHINDUCTOR_CACHE_DIR=$cache/inductor timeout "${LIMIT:-590}" python3 -m pytest -o addopts= -m gpu -q -rA \
+    --durations=0 -p no:cacheprovider 2>&1 | grep -v Warning >> "$file"
+  status=${PIPESTATUS[0]}
+  echo "# pytest -m gpu: exit $status, $(python3 -c "print(round($(date +%s.%N) - $began, 1))") s wall" >> "$file"
+  tail -25 "$file"; echo "=== gpu_tests -> $file"
 fi
 if want faults && (( $(gpus) >= 2 )); then  # on every GPU: the watchers' cost, then each slow-rank fault named
   n=$(gpus)

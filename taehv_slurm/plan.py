@@ -28,10 +28,11 @@ from taehv_slurm.messages import command
 # step first. ZeRO buys no memory worth its cost for an 11 M-parameter model, so the plan takes allreduce
 # (plain data parallelism) and moves to ZeRO only when parameters + optimizer states do not fit.
 ENGINES = ("allreduce", "zero1", "zero2", "zero3")
-# Clips/s per GPU of an engine against allreduce's, measured with this model through `taehv submit --local
-# --gpus-per-node 4 --set engine.kind=E` (configs/train/taehv.yaml on prepared shards) on 4 H200s of one host:
-# 62.7 / 47.3 / 24.3 clips/s per GPU (docs/benchmarks.md). ZeRO-1 was not measured: the plan prints no figure.
-MEASURED_ENGINE_SPEED = {"zero2": 47.3 / 62.7, "zero3": 24.3 / 62.7}
+# Clips/s per GPU of an engine against allreduce's, measured with this model's isolated eager step at batch 4
+# on one H200 (bench/train_throughput.py --variants eager_cl --engines allreduce,zero2: 29.86 against 20.87,
+# bench/results/engines_h200_2026-11-23_11f044c.json). ZeRO-1 and ZeRO-3 have no kept measurement: the plan
+# prints no figure for them.
+MEASURED_ENGINE_SPEED = {"zero2": 20.87 / 29.86}
 # Engines that torch.compile their step where engine.compile is on (GPUs). ZeRO-3 gathers each partitioned
 # weight when it is read; the model composes weights from several layers outside those layers' calls, so
 # the compiler traces the partitions instead (on an H200 the compiled ZeRO-3 step failed at its first
@@ -227,7 +228,8 @@ def _choose_engine(cfg: TrainConfig, world: int, per_gpu: int, act_gb: float,
         )
     engine = fitting[0]
     measured = ", ".join(f"{e} {100 * (MEASURED_ENGINE_SPEED[e] - 1):+.0f} %" for e in MEASURED_ENGINE_SPEED)
-    reason = (f"fastest that fits; measured vs allreduce on 4 H200s: {measured}" if engine == "allreduce"
+    reason = (f"fastest that fits; measured vs allreduce (an eager step on one H200): {measured}"
+              if engine == "allreduce"
               else f"allreduce does not fit; {engine} does")
     return engine, reason, states_gb[engine]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 import time
 from collections.abc import Iterator
 
@@ -35,12 +36,34 @@ LONGEST_FIRST = ("test_requeue.py", "test_any_world_size.py", "test_requeue_outc
                  "test_status_scale.py")  # the last: 2 minutes of following a sweep that waits, no CPU
 
 
+# tests/test_gpu.py checks training runs that go on in the background from the first GPU test of a run
+# (tests/gpu_runs.py): its tests, which wait for them, run after every other module's.
+WAITS_FOR_GPU_RUNS = "test_gpu.py"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
+    def rank(item: pytest.Item) -> tuple[int, bool]:
         name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return (LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST),
+                name == WAITS_FOR_GPU_RUNS)
 
     items.sort(key=rank)  # stable: each module's own order stays
+
+
+@pytest.fixture(autouse=True)
+def _gpu_runs_beside_the_gpu_tests(request: pytest.FixtureRequest) -> None:
+    """The first GPU test of a pytest run that holds tests/test_gpu.py starts the runs it checks."""
+    if request.node.get_closest_marker("gpu") is None:
+        return
+    from tests import gpu_runs
+
+    if gpu_runs.wanted() and any(item.path.name == WAITS_FOR_GPU_RUNS for item in request.session.items):
+        gpu_runs.start(request.getfixturevalue("tmp_path_factory"))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if "tests.gpu_runs" in sys.modules:  # runs a failed or interrupted pytest run left
+        sys.modules["tests.gpu_runs"].stop()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -82,6 +82,23 @@ class CountingTask:
         return step
 
 
+class FailsWhenTold(CountingTask):
+    """CountingTask that, in its first attempt, raises at the step boundary after `<run folder>/fail` appears:
+    a failure the code may not repeat (a lost connection), when a test decides."""
+
+    def __call__(self, ctx: Any) -> int:
+        if ctx.env.restart_count == 0:
+            boundary = ctx.step_boundary
+
+            def step_boundary(step: int, save: Any) -> None:
+                boundary(step, save)
+                if (ctx.run_dir / "fail").exists():
+                    raise ConnectionError("the connection to the rendezvous store was reset")
+
+            ctx.step_boundary = step_boundary
+        return super().__call__(ctx)
+
+
 class SlowToLoad(CountingTask):
     """CountingTask whose pickle, in the first attempt, takes until `<gate>/released` exists to load, having
     written `<gate>/loading`: a signal sent meanwhile reaches the job while its task is still starting."""

@@ -2,7 +2,10 @@
 
 Faults come from outside the task, as a cluster inflicts them:
 - `diverged`: the user's command with lr 0.5 — the loss is not finite from the second step;
-- `repeats`: a task that fails the same way at the same step in every attempt (as an OOM does);
+- `repeats`: a task that fails the same way at the same step in every attempt (as an OOM does): started
+  again inside the allocation on the same node once, then stopped;
+- `late`: a task whose first step took 45 s (as a cold compile can) fails when fewer seconds are left before
+  its time limit than a restart would need: the job requeues instead of restarting in its allocation;
 - `startup`: a missing dataset, found when the job starts;
 - `killed`: one rank's process is killed with SIGKILL (as the out-of-memory killer does);
 - `step_killed`: `scancel --signal=KILL JOB.0`, every process of the job step at once;
@@ -21,6 +24,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,10 +33,12 @@ import pytest
 
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.checkpoint import Checkpointer
+from taehv_slurm.runtime.restart import RESTART_MARGIN_S
+from taehv_slurm.slurm import job_info, seconds_left
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
 from tests.helpers import REPO, cli, events, make_cluster, rank_record, tiny_train, wait_done, wait_for
-from tests.tasks import CountingTask, FailsAtStep, MeetsAFault
+from tests.tasks import CountingTask, FailsAtStep, FailsWhenTold, MeetsAFault
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -47,6 +53,12 @@ class Jobs:
     unreleased: JobHandle
     ecc: JobHandle
     killed_twice: JobHandle
+    late: JobHandle
+
+
+# `late`: a 3-minute limit, its warning (USR2) 30 s before it, so up to 90 s before it (Slurm may send it up
+# to 60 s early)
+LATE_SIGNAL_DELAY_S, LATE_TIME_MIN = 30, 3
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +79,17 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
                  ecc=submit(MeetsAFault("ecc", step=3, steps=6), one, "ecc"),
                  # a heartbeat of 1 s: the ranks' records show the step before they die 2.5 s into it
                  killed_twice=submit(MeetsAFault("kill", step=3, steps=6, wait_s=2.5), make_cluster(
-                     job_dir, nodes=2, gpus_per_node=1, time_min=10, heartbeat_s=1), "killed-twice"))
+                     job_dir, nodes=2, gpus_per_node=1, time_min=10, heartbeat_s=1), "killed-twice"),
+                 # paused at step 0 until the test releases it: its first step as slow as the test makes it
+                 late=submit(FailsWhenTold(3000, step_s=0.2, pause_at=0, steps_after_restart=5),
+                             dataclasses.replace(one, time_min=LATE_TIME_MIN,
+                                                 signal_delay_s=LATE_SIGNAL_DELAY_S),
+                             "late"))
     try:
         yield found
     finally:
         subprocess.run(["scancel", found.killed.job_id, found.step_killed.job_id, found.unreleased.job_id,
-                        found.ecc.job_id, found.killed_twice.job_id], capture_output=True)
+                        found.ecc.job_id, found.killed_twice.job_id, found.late.job_id], capture_output=True)
 
 
 def refusing_release_scontrol(folder: Path) -> Path:
@@ -137,7 +154,14 @@ def test_a_diverged_run_fails_in_one_line_and_never_saves_garbage(tmp_path: Path
 def test_a_failure_that_repeats_stops_after_two_attempts(jobs: Jobs) -> None:
     handle = jobs.repeats
     assert wait_done(handle.job_id, 300) == "FAILED", handle.tail(40)
-    assert len(events(handle, "start")) == 2
+    first, second = events(handle, "start")
+    # the first failure (the code may not repeat it): the ranks started again inside the allocation, on the
+    # same node, as the same job; the second: stopped
+    (restart,) = events(handle, "restart")
+    assert (restart["cause"], restart["left_out"]) == ("failure", [])
+    assert restart["nodes"] == restart["nodes_before"] == [first["host"]]
+    assert (second["job_id"], second["restart_count"], second["host"]) == (first["job_id"], 0, first["host"])
+    assert not events(handle, "requeue")
     (stopped,) = events(handle, "stopped")
     assert stopped["reason"].startswith("the same failure ended two attempts in a row (MemoryError: CUDA out "
                                         "of memory. Tried to allocate 2.00 GiB), so another would end the "
@@ -237,3 +261,30 @@ def test_a_rank_killed_at_the_same_step_twice_stops_and_exclusion_leaves_room(jo
     (stopped,) = events(handle, "stopped")
     assert stopped["reason"].startswith(f"the same failure ended two attempts in a row ({second['detail']})")
     assert len(events(handle, "start")) == 2 and handle.summary()["note"] == stopped["reason"]
+
+
+def test_near_its_time_limit_a_failure_requeues_instead_of_restarting(jobs: Jobs) -> None:
+    """A restart pays only with time left to train: it needs its start-up (the run's first step took 45 s
+    here), the time-limit warning's delay and a minute. With fewer seconds left, the job requeues (a fresh
+    time limit) instead of restarting in its allocation; it resumes and completes."""
+    handle = jobs.late
+    run = Path(handle.run_dir)
+    (start,) = wait_for(lambda: events(handle, "start"), 180, "the job to start")
+    wait_for(lambda: (run / "paused").exists(), 60, "its first step to begin")
+    time.sleep(max(0.0, start["began"] + 45 - time.time()))
+    (run / "release").touch()
+    (first,) = wait_for(lambda: events(handle, "first_step"), 60, "its first step")
+    needs = first["seconds"] + LATE_SIGNAL_DELAY_S + RESTART_MARGIN_S  # restart.restart_needs_s
+
+    def left() -> float:
+        return seconds_left(job_info(handle.job_id), time.time())
+
+    wait_for(lambda: left() <= needs - 20, 120, "fewer seconds left than a restart needs")
+    # and still more than the time limit's warning can come before it: the failure comes first
+    assert left() > LATE_SIGNAL_DELAY_S + 60 + 5, (left(), needs)
+    (run / "fail").touch()
+    (requeue,) = wait_for(lambda: events(handle, "requeue"), 120, "the requeue")
+    assert (requeue["reason"], requeue["failed_at_step"] > 0) == ("failure", True), requeue
+    assert not events(handle, "restart")  # not inside the allocation
+    assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)
+    assert [e["restart_count"] for e in events(handle, "start")] == [0, 1]

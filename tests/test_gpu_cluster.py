@@ -163,6 +163,25 @@ def test_a_two_node_run_crosses_hosts_over_sockets_and_nvlink_inside(gpu_cluster
 # of 30 s, on both nodes with one GPU each (two such runs fit the 4-GPU host at once).
 FAULT_SETS = {"intervals.ckpt_every": 5, "hang_floor_s": 30, "heartbeat_s": 3, "min_nodes": 1}
 
+def named_within(fault: str) -> float:
+    """Seconds from a fault to its verdict (docs/failures.md): a stop, the hang floor noticed within a
+    heartbeat; a kill, the surviving ranks' save grace; each with 10 s of margin."""
+    kill_wait_s = load_cluster(CLUSTER).kill_wait_s  # the peer of a killed rank spends its save grace on it
+    floor = FAULT_SETS["hang_floor_s"] if fault == "stopped" else kill_wait_s
+    return floor + FAULT_SETS["heartbeat_s"] + 10
+
+
+def training_again_within(fault: str, first_step: dict) -> float:
+    """Seconds from a fault to the first step after its restart: a minute (a stop: after its verdict's bound)
+    plus the new step's own start-up."""
+    found = named_within("stopped") if fault == "stopped" else 0
+    return found + 60 + first_step["seconds"]
+
+
+def first_step_after(run_dir: Path, restart: dict) -> dict:
+    return wait_for(lambda: [e for e in run_events(run_dir, "first_step")
+                             if e["segment"] == restart["segment"] + 1], 300, "training after the restart")[0]
+
 
 def fault_run(bed: Testbed, name: str, job_dir: Path, steps: int, *extra: str) -> str:
     """Submit a 2-node run for a fault test (a node's CPUs shared by as many as it has GPUs); its job id."""
@@ -220,9 +239,11 @@ def test_fault_stopped_rank_on_node_2_is_named_and_the_run_goes_on_without_it(gp
     run_dir = tmp_path / "stopped"
     victim = wait_for(lambda: (r := rank_record(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
                       "training")
+    struck_at = time.time()
     os.kill(victim["pid"], signal.SIGSTOP)
     (hang,) = wait_for(lambda: run_events(run_dir, "hang"), 300, "the hang verdict")
     assert (hang["ranks"], hang["hosts"]) == ([1], [victim["host"]])
+    assert hang["time"] - struck_at <= named_within("stopped"), hang["time"] - struck_at
     bundle = Path(hang["bundle"])
     assert (bundle / "stacks-rank-0.txt").exists() and (bundle / "nccl-flight-recorder-rank-0.pkl").exists()
     (restart,) = wait_for(lambda: run_events(run_dir, "restart"), 300, "the restart on node 1")
@@ -231,6 +252,8 @@ def test_fault_stopped_rank_on_node_2_is_named_and_the_run_goes_on_without_it(gp
     starts = wait_for(lambda: (s := run_events(run_dir, "start"))[-1]["segment"] > restart["segment"] and s,
                       300, "the start on node 1")
     assert starts[-1]["world_size"] == 1 and starts[-1]["effective_batch"] == starts[0]["effective_batch"]
+    first = first_step_after(run_dir, restart)
+    assert first["time"] - struck_at <= training_again_within("stopped", first), first["time"] - struck_at
     assert final_state(job) == "COMPLETED" and logged_once(run_dir, 120)
 
 
@@ -240,11 +263,15 @@ def test_fault_every_rank_of_node_2_killed_is_named_and_left_out(gpu_cluster: Te
     run_dir = tmp_path / "killed"
     victim = wait_for(lambda: (r := rank_record(run_dir, 1)) and (r.get("step") or 0) >= 12 and r, 600,
                       "training")
+    struck_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL)
     (killed,) = wait_for(lambda: run_events(run_dir, "killed"), 300, "the kill to be named")
     assert (killed["ranks"], killed["hosts"]) == ([1], [victim["host"]])
+    assert killed["time"] - struck_at <= named_within("killed"), killed["time"] - struck_at
     (restart,) = wait_for(lambda: run_events(run_dir, "restart"), 300, "the restart on node 1")
     assert restart["cause"] == "killed" and restart["left_out"] == [victim["host"]]
+    first = first_step_after(run_dir, restart)
+    assert first["time"] - struck_at <= training_again_within("killed", first), first["time"] - struck_at
     assert final_state(job) == "COMPLETED" and logged_once(run_dir, 120)
 
 
@@ -264,14 +291,12 @@ def test_fault_spare_node_takes_the_place_of_a_lost_one_inside_the_allocation(gp
     struck_at = time.time()
     os.kill(victim["pid"], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
     (restart,) = wait_for(lambda: run_events(run_dir, "restart"), 300, "the restart on the spare")
-    first = wait_for(lambda: [e for e in run_events(run_dir, "first_step")
-                              if e["segment"] == restart["segment"] + 1], 300, "training on the spare")[0]
+    first = first_step_after(run_dir, restart)
     assert restart["cause"] == ("killed" if fault == "killed" else "hang")
     assert restart["left_out"] == [victim["host"]] and victim["host"] not in restart["nodes"]
     assert restart["world_before"] == restart["world_after"] == 2  # the spare keeps the world size
-    found_within = FAULT_SETS["hang_floor_s"] + FAULT_SETS["heartbeat_s"] + 10 if fault == "stopped" else 0
-    assert first["time"] - struck_at <= found_within + 60 + first["seconds"], (first["time"] - struck_at,
-                                                                                first["seconds"])
+    assert first["time"] - struck_at <= training_again_within(fault, first), (first["time"] - struck_at,
+                                                                               first["seconds"])
     assert not run_events(run_dir, "requeue") and str(first["job_id"]) == job  # it never left the allocation
     assert final_state(job) == "COMPLETED" and logged_once(run_dir, 120)
     ends = {rank_record(run_dir, r)["host"] for r in range(2)}  # the last step's ranks: the spare among them

@@ -10,6 +10,8 @@ outside the job, as a cluster inflicts them):
 - `shrink`: no spare, `min_nodes: 1`: the second node's ranks killed, the run goes on with one node at the
   same effective batch (twice the accumulation), and after its next requeue (`scontrol requeue`) it is back
   on two.
+- a restart's `release_error`: where Slurm refuses to take the left-out nodes back (`scontrol update
+  NodeList=`, a site's policy), the restart records scontrol's answer in one line and the job keeps them.
 Without a spare and with `min_nodes` at `nodes` (the default), a lost node still requeues the job without it
 (tests/test_hangs.py, tests/test_failures.py).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -26,10 +29,11 @@ from pathlib import Path
 
 import pytest
 
+from taehv_slurm.backends import SlurmBackend
 from taehv_slurm.goodput import attempt_rows
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.steps import Placement
-from taehv_slurm.slurm import expand_hosts, job_info
+from taehv_slurm.slurm import SCONTROL_ENV, expand_hosts, job_info
 from taehv_slurm.training import submit_training
 from tests.helpers import events, make_cluster, metrics, quick_train, rank_record, wait_done, wait_for
 
@@ -174,6 +178,36 @@ def test_without_a_spare_the_run_shrinks_then_grows_back_at_its_requeue(submit) 
                      "the start after the requeue")[0]
     assert requeue["reason"] == "preempted" and grown["world_size"] == 4  # its full size again
     assert grown["restart_count"] == 1
+
+
+def test_nodes_slurm_refuses_to_take_back_are_a_release_error_and_stay_held(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a restart does with the nodes it left out (its event's `released`, `nodes_held` or
+    `release_error`), on a 2-node allocation: scontrol refusing the shrink is one line, and the job holds
+    both nodes still; the real scontrol gives the node back."""
+    sbatch = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--time=5", f"--output={tmp_path / 'out'}",
+                             "--wrap", "sleep 300"], capture_output=True, text=True, check=True)
+    job = sbatch.stdout.strip().split(";")[0]
+    try:
+        info = wait_for(lambda: (i := job_info(job)) and i.get("JobState") == "RUNNING" and i, 60, "the job")
+        held = expand_hosts(info["NodeList"])
+        other = [n for n in held if n != info["BatchHost"]]
+        refusing = tmp_path / "scontrol"  # the real scontrol, but `update` refused as a site's policy may
+        refuse = 'echo "scontrol: error: Access/permission denied" >&2; exit 1'
+        real = shutil.which("scontrol")
+        refusing.write_text(f'#!/bin/sh\n[ "$1" = update ] && {{ {refuse}; }}\nexec {real} "$@"\n')
+        refusing.chmod(0o755)
+        monkeypatch.setenv(SCONTROL_ENV, str(refusing))
+        refused = SlurmBackend().release_nodes(job, other)
+        assert list(refused) == ["release_error"], refused
+        assert refused["release_error"].startswith(f"scontrol update JobId={job} NodeList=...: ")
+        assert "Access/permission denied" in refused["release_error"] and "\n" not in refused["release_error"]
+        assert expand_hosts(job_info(job)["NodeList"]) == held
+        monkeypatch.delenv(SCONTROL_ENV)
+        assert SlurmBackend().release_nodes(job, other) == {"released": other, "nodes_held": 1}
+        assert expand_hosts(job_info(job)["NodeList"]) == [info["BatchHost"]]
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
 
 
 def test_the_node_seconds_of_a_shrunk_allocation_follow_its_sizes() -> None:
