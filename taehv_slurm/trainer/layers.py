@@ -5,8 +5,10 @@ of `FAST_PATHS` (each checked against the published block order, outputs and gra
 tests/test_model.py): linear chains folded into one conv, the RGB head on a space-to-depth layout, the
 first stage on frame pairs, each conv + bias (+ residual) + ReLU as one cuDNN kernel on a GPU
 (`conv3x3_relu`: tests/test_fused_conv.py) whose backward masks the gradient and sums the bias gradient
-in one Triton kernel (relu_grad_kernel.py), and the head's ReLU + conv as Triton kernels on a GPU
-(rgb_head.py: tests/test_rgb_head.py). docs/benchmarks.md has what each one is worth.
+in one Triton kernel (relu_grad_kernel.py), the first stage's conv + ReLU (few input channels) as Triton
+kernels (first_conv.py: tests/test_first_conv.py), and the head's ReLU + conv as Triton kernels on a GPU
+(rgb_head.py: tests/test_rgb_head.py). `TAEHV_FAST_PATHS_OFF` turns paths off by name in every process.
+docs/benchmarks.md has what each one is worth.
 """
 
 from __future__ import annotations
