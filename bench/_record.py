@@ -62,6 +62,9 @@ def add_cudnn_benchmark(parser: argparse.ArgumentParser) -> None:
     no timing of algorithms at each new shape, so a faster first step, perhaps a slower one after)."""
     parser.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                         help="cuDNN times its algorithms at each new shape (the trainer's setting)")
+    parser.add_argument("--cudnn-benchmark-limit", type=int, default=None, metavar="N",
+                        help="with --cudnn-benchmark: time at most N of cuDNN's candidate algorithms "
+                             "(0: all of them; default torch's, 10)")
 
 
 def code_version() -> dict[str, Any]:

@@ -28,6 +28,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -91,7 +92,7 @@ def local_cluster(work: Path, on_gpu: bool, cpus: int, watched: bool = True, gpu
 
 
 def prepare_data(work: Path, spec: ClipSpec, videos: int, video_frames: int, cluster: Path,
-                 tiny_teacher: bool, timeout: float) -> Path:
+                 tiny_teacher: bool, timeout: float, flags: str = "") -> Path:
     """Videos, the teacher folder and `jobs.prepare --local` on them, under `work` (kept: reused next time);
     returns the prepared folder."""
     began = time.perf_counter()
@@ -103,7 +104,7 @@ def prepare_data(work: Path, spec: ClipSpec, videos: int, video_frames: int, clu
         shape = ["--frames", str(spec.frames), "--height", str(spec.height), "--width", str(spec.width)]
         out = run([sys.executable, "-m", "jobs.prepare", "--data", str(work / "videos"),
                    "--out", str(prepared), "--teacher-path", str(work / "hv-vae"), "--local",
-                   "--cluster", str(cluster), *shape],
+                   "--cluster", str(cluster), *shape, *shlex.split(flags)],
                   work / "prepare.log", timeout)
         if out.returncode != 0:
             sys.exit("error: jobs.prepare failed; see above")
@@ -190,6 +191,9 @@ def parse_args() -> argparse.Namespace:
                    help="videos, teacher and shards (reused by a second run)")
     p.add_argument("--sources", default="prepared,video,synthetic", help="'': only prepare the data")
     p.add_argument("--videos", type=int, default=48)
+    p.add_argument("--prepare-flags", default="",
+                   help="more jobs.prepare flags for the data (e.g. '--no-compile': the teacher's rate is "
+                        "bench/prepare_e2e.py's; training reads the same shards)")
     p.add_argument("--video-frames", type=int, default=36, help="frames per file: 3 training windows of 12")
     p.add_argument("--steps", type=int, default=30, help="training steps per source")
     p.add_argument("--warmup-steps", type=int, default=6, help="steps left out of the end-to-end figure")
@@ -340,7 +344,8 @@ def main() -> None:
 
     cluster = local_cluster(work, on_gpu, args.cpus)
     spec = ClipSpec(frames, height, width)
-    prepared = prepare_data(work, spec, args.videos, args.video_frames, cluster, args.smoke, args.timeout)
+    prepared = prepare_data(work, spec, args.videos, args.video_frames, cluster, args.smoke, args.timeout,
+                            args.prepare_flags)
     info.update(prepare_figures(work / "runs"))
     print(json.dumps({k: v for k, v in info.items() if k.startswith("prepare")}), flush=True)
     if not args.sources:  # the prepared folder alone, for other benchmarks (bench/slow_rank_faults.py --data)

@@ -137,9 +137,12 @@ def profile_teacher(make_teacher: Callable[[], Teacher], device: torch.device,
                            dtype=torch.uint8, device=device)
     for _ in range(2):
         teacher.latents(frames)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities, record_shapes=bool(args.trace)) as prof:
         teacher.latents(frames)
         torch.cuda.synchronize(device)
+    if args.trace:  # each kernel with the op (and input shapes) that launched it
+        prof.export_chrome_trace(args.trace)
     text = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90)
     print(text, flush=True)
     return text.splitlines()
@@ -256,6 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10, help="timed calls per setting")
     p.add_argument("--profile", metavar="MODE:BATCH",
                    help="also profile one teacher setting: its 30 most expensive CUDA ops go in the results")
+    p.add_argument("--trace", default=None, metavar="PATH", help="with --profile: its Chrome trace, here")
     p.add_argument("--skip", default="", help="sections to skip: teacher, decode, read (comma-separated)")
     p.add_argument("--out",
                    help="JSON file for the results (default: bench/results/, named as _record.result_name)")

@@ -264,11 +264,14 @@ def main() -> None:
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
+        if args.cudnn_benchmark_limit is not None:
+            torch.backends.cudnn.benchmark_limit = args.cudnn_benchmark_limit
     flops = train_flops_per_clip(TAEHVConfig(), args.frames, args.height, args.width)
     peak = bf16_peak_tflops(device) if on_gpu else float("nan")
     info = run_info(on_gpu, clip=[args.frames, args.height, args.width], train_tflop_per_clip=flops / 1e12,
                     bf16_matmul_tflops=peak, fast_paths=dict(FAST_PATHS),
-                    cudnn_benchmark=args.cudnn_benchmark)
+                    cudnn_benchmark=args.cudnn_benchmark,
+                    cudnn_benchmark_limit=torch.backends.cudnn.benchmark_limit if on_gpu else None)
     print(json.dumps(info), flush=True)
     rows = measure_one_gpu(args, device, on_gpu) if args.gpus == 1 else measure_many_gpus(args)
     if args.profile and on_gpu:

@@ -5,17 +5,22 @@ of `FAST_PATHS` (each checked against the published block order, outputs and gra
 tests/test_model.py): linear chains folded into one conv, the RGB head on a space-to-depth layout, the
 first stage on frame pairs, each conv + bias (+ residual) + ReLU as one cuDNN kernel on a GPU
 (`conv3x3_relu`: tests/test_fused_conv.py) whose backward masks the gradient and sums the bias gradient
-in one Triton kernel (relu_grad_kernel.py), and the head's ReLU + conv as Triton kernels on a GPU
-(rgb_head.py: tests/test_rgb_head.py). docs/benchmarks.md has what each one is worth.
+in one Triton kernel (relu_grad_kernel.py), the first stage's conv + ReLU (few input channels) as Triton
+kernels (first_conv.py: tests/test_first_conv.py), and the head's ReLU + conv as Triton kernels on a GPU
+(rgb_head.py: tests/test_rgb_head.py). `TAEHV_FAST_PATHS_OFF` turns paths off by name in every process.
+docs/benchmarks.md has what each one is worth.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
+from taehv_slurm.trainer.first_conv import first_conv_relu, first_conv_runs
 from taehv_slurm.trainer.rgb_head import HAS_TRITON, relu_conv3x3_frames, triton_head_runs
 
 
@@ -164,7 +169,22 @@ FAST_PATHS = {
     "fused_conv_relu": True,    # conv3x3 + bias (+ residual) + ReLU as one op: one cuDNN kernel on a GPU
     "triton_head": True,        # ... and its ReLU + head as Triton kernels on the stacked frames (on a GPU)
     "triton_relu_grad": True,   # ... and its backward's ReLU mask + bias gradient as one Triton kernel (GPU)
+    "triton_first_conv": True,  # the first stage's conv + ReLU as Triton kernels, no stored masked gradient
+    "copy_overlap": True,       # (train.py) each micro-batch copied to the GPU on a stream of its own
 }
+FAST_PATHS_OFF_ENV = "TAEHV_FAST_PATHS_OFF"  # names turned off in every process of a run (benchmarks' A/B)
+
+
+def _turn_off_from_env() -> None:
+    names = [n for n in os.environ.get(FAST_PATHS_OFF_ENV, "").split(",") if n]
+    if unknown := sorted(set(names) - set(FAST_PATHS)):
+        raise ValueError(f"{FAST_PATHS_OFF_ENV} names {', '.join(unknown)}: use names of "
+                         f"{', '.join(FAST_PATHS)}, comma-separated")
+    for name in names:
+        FAST_PATHS[name] = False
+
+
+_turn_off_from_env()
 
 
 def _phase_taps(up: int, like: torch.Tensor) -> torch.Tensor:
@@ -277,6 +297,8 @@ def fused_conv3x3_relu(conv: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor | 
     bias = conv.bias if bias is None else bias
     if torch.is_autocast_enabled(x.device.type):  # a custom op is not autocast: cast as F.conv2d would
         x = x.to(torch.get_autocast_dtype(x.device.type))
+    if residual is None and FAST_PATHS["triton_first_conv"] and first_conv_runs(x, weight):  # no input grad
+        return first_conv_relu(x, weight.to(x.dtype), bias.to(x.dtype))
     if not _cudnn_fuses(x):
         return _plain_conv3x3_relu(x, weight, bias, residual)
     return conv3x3_relu(x, _like_input(weight, x), bias.to(x.dtype),

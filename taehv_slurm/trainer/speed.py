@@ -152,10 +152,10 @@ def _custom_ops_digest() -> str:
     """The code of the model's custom ops: torch's caches key a compiled graph by the ops' names, not by
     the Python behind them (their backward formula is traced from it), so a changed op gets a new folder.
     (The Triton kernels run from rgb_head_kernels.py at call time: never stale, not hashed.)"""
-    from taehv_slurm.trainer import layers, rgb_head
+    from taehv_slurm.trainer import first_conv, layers, rgb_head
 
     digest = hashlib.sha256()
-    for module in (layers, rgb_head):
+    for module in (layers, rgb_head, first_conv):
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()[:12]
 

@@ -45,6 +45,7 @@ from taehv_slurm.trainer.build import (
 from taehv_slurm.trainer.data import GlobalOrder, microbatches
 from taehv_slurm.trainer.divergence import DivergenceGuard
 from taehv_slurm.trainer.engine import Engine, Microbatch, make_engine
+from taehv_slurm.trainer.layers import FAST_PATHS
 from taehv_slurm.trainer.losses import DistillModule
 from taehv_slurm.trainer.metrics import LogWindow, MetricsWriter, sample_grid
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training, load_published_weights
@@ -95,6 +96,8 @@ class Trainer:
         self.runtime = runtime or RuntimeSettings()
         self.run_dir = ctx.run_dir
         self.main = env.rank == 0
+        self.copy_stream = (torch.cuda.Stream(device) if device.type == "cuda" and FAST_PATHS["copy_overlap"]
+                            else None)
         self.step_samples: list[int] = []  # this rank's clip indices of the current step (record_samples)
         self.data_offset = 0  # optimizer steps of data passed by rollbacks (saved with each checkpoint)
         self.rollbacks = 0
@@ -352,13 +355,20 @@ class Trainer:
         return [i for share in shares for i in share]
 
     def to_device(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        frames = batch["frames"].to(self.device, non_blocking=True)
-        if "latents" in batch:
-            latents = batch["latents"].to(self.device, non_blocking=True)
-        elif self.teacher is not None:
+        """The batch's frames and latents on the device. On a GPU they are copied on a stream of their own
+        (`FAST_PATHS["copy_overlap"]`): the host queues the copy while the GPU still computes the micro-batch
+        before, so it overlaps that work instead of waiting behind it (50 MB of frames a micro-batch)."""
+        with torch.cuda.stream(self.copy_stream):  # no-op without one
+            frames = batch["frames"].to(self.device, non_blocking=True)
+            latents = batch["latents"].to(self.device, non_blocking=True) if "latents" in batch else None
+        if self.copy_stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.copy_stream)
+            for tensor in (frames, latents):
+                if tensor is not None:
+                    tensor.record_stream(compute)  # made on the copy stream, used on this one
+        if latents is None and self.teacher is not None:
             latents = self.teacher.latents(frames)
-        else:
-            latents = None
         return frames, latents
 
     @torch.no_grad()
