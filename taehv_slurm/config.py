@@ -292,8 +292,8 @@ class ClusterConfig:
                   "container_mounts is set but container_image is not: name the image the ranks run in")
             return
         check(self.backend == "slurm", source,
-              f"container_image applies to Slurm jobs; backend '{self.backend}' runs the ranks on this machine "
-              "as they are (remove container_image, or use backend: slurm)")
+              f"container_image applies to Slurm jobs; backend '{self.backend}' runs the ranks on this "
+              "machine as they are (remove container_image, or use backend: slurm)")
         for mount in self.container_mounts:
             parts = mount.split(":")
             check(2 <= len(parts) <= 3 and all(p.startswith("/") for p in parts[:2]), source,
