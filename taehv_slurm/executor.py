@@ -59,12 +59,13 @@ def step_loop(python: str, folder: Path, run_dir: Path | None, cluster: ClusterC
         f"relay=$({python} -m taehv_slurm.relay start {shlex.quote(str(folder))} $$ "
         f'{cluster.kill_wait_s + RELAY_LINGER_MARGIN_S}) || exit 1; eval "$relay"',
         f"export {loop_env}{LAUNCH_ENV}=0",
-        # array tasks name their logs as submitit reads them: <array>_<index>_<rank>_log.out
+        # an array task is ARRAY_TASK to Slurm's commands and to submitit, and names its logs so
+        'job=$SLURM_JOB_ID; [ -n "$SLURM_ARRAY_JOB_ID" ] && job=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID',
         f'log={out}%j_%t_log.out; [ -n "$SLURM_ARRAY_JOB_ID" ] && log={out}%A_%a_%t_log.out',
         f"{python} -m taehv_slurm.runtime.steps first {shlex.quote(str(folder))} {cluster.nodes} "
         f"{cluster.tasks_per_node} || taehv_exit 1",
         "while :; do",
-        f'  {srun} --output "$log" $(cat {out}"$SLURM_JOB_ID"_srun_args) {ranks}',
+        f'  {srun} --output "$log" $(cat {out}"$job"_srun_args) {ranks}',
         "  srun_status=$?",
         f"  {after}",
         "  after_status=$?",

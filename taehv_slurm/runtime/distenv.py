@@ -100,7 +100,7 @@ class DistEnv:
 
     @classmethod
     def _from_slurm(cls, env: dict[str, str]) -> DistEnv:
-        job_id = env["SLURM_JOB_ID"]
+        job_id = slurm_job_id(env)
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
         hosts = expand_nodelist(nodelist)
         num_nodes = _first_int(env, "SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", default=len(hosts))
@@ -201,9 +201,17 @@ def attempt_of_environ(environ: Mapping[str, str] | None = None) -> tuple[str, i
     """(job id, restart count) of the job attempt this process belongs to — also outside its ranks (the
     sbatch script's own steps, the local controller), where `DistEnv.from_environ` has no rank to read."""
     env = os.environ if environ is None else environ
-    job_id = env.get("SLURM_JOB_ID") or env.get("SUBMITIT_LOCAL_JOB_ID") or env.get("TAEHV_JOB_ID") or ""
+    job_id = slurm_job_id(env) or env.get("SUBMITIT_LOCAL_JOB_ID") or env.get("TAEHV_JOB_ID") or ""
     restart = env.get("SLURM_RESTART_COUNT") or env.get("TAEHV_RESTART_COUNT") or "0"
     return job_id, int(restart)
+
+
+def slurm_job_id(env: Mapping[str, str]) -> str:
+    """The id Slurm knows this job by, '' outside Slurm: an array task's is ARRAYJOB_TASK (its SLURM_JOB_ID
+    is a number of its own that squeue, sacct and submitit do not show), so every Slurm call about the task
+    — requeue, hold, release, ExcNodeList — and every record of it names the task itself."""
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else env.get("SLURM_JOB_ID", "")
 
 
 def port_for_job(job_id: str) -> int:

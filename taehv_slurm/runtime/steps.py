@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from taehv_slurm.runtime.distenv import expand_nodelist
+from taehv_slurm.runtime.distenv import expand_nodelist, slurm_job_id
 
 LAUNCH_ENV = "TAEHV_LAUNCH"  # 0 for the allocation's first step, +1 for each restart inside it
 STEP_LOOP_ENV = "TAEHV_STEP_LOOP"  # set by a batch script that restarts steps: the ranks leave that to it
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[taehv] the allocation ({os.environ.get('SLURM_JOB_NODELIST')}) has fewer than "
               f"{args[2]} nodes", file=sys.stderr)
         return 1
-    write_step(args[1], os.environ["SLURM_JOB_ID"], placement, nodes)
+    write_step(args[1], slurm_job_id(os.environ), placement, nodes)
     return 0
 
 
