@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm import slurm
+from taehv_slurm import slurm, snapshot
 from taehv_slurm.backends import backend_named, describe_live
 from taehv_slurm.config import ClusterConfig, ConfigError
 from taehv_slurm.executor import SubmissionError, describe_sbatch_error, make_executor
@@ -157,6 +157,7 @@ def _submit_to_executor(tasks: Sequence[Callable[..., Any]], run_dirs: list[Path
         folder = owner / "submitit"  # the array's one folder for a sweep
         # what the job's entry point will check: refuse now, not once it runs
         check_safe_to_load(folder, owner)
+        extra_env = {**(extra_env or {}), **snapshot.job_env(cluster)}
         executor = make_executor(cluster, folder, extra_env, run_dir=owner)
         # Taken before sbatch: events the job writes are never older than this (see JobHandle.events).
         submitted_at = time.time()

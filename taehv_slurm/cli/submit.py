@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from taehv_slurm import snapshot
 from taehv_slurm.backends import backend_named
 from taehv_slurm.checks import Row, machine_rows, require_passing, table
 from taehv_slurm.cli import watch
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "still checks at start-up); the same as --set check_data_on_submit=false")
     p.add_argument("--force", action="store_true",
                    help="the run name has a live job: cancel it (it saves at the signal), wait, then submit")
+    p.add_argument("--no-snapshot", action="store_true",
+                   help="a Slurm job imports the checkout as it is when each attempt starts, not the copy of "
+                        "its tracked files made now; the same as --set code_snapshot=false")
     return p
 
 
@@ -87,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cluster_over, train_over = split_overrides(parse_set_args(args.set))
+    if args.no_snapshot:
+        cluster_over["code_snapshot"] = False
     cluster = load_cluster_from_args(args, cluster_over)
     train = load_train(args.train, origins=flag_origins(args), **train_over)
     if args.sweep and args.task != "train":
@@ -162,7 +168,7 @@ def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict]
         print(f"\n{len(sweep)} runs, one job array: "
               + ", ".join(str(run_dir / point_name(p)) for p in sweep))
     if backend_named(cluster.backend).writes_sbatch_script:
-        env = plans[0].nccl_env if plans else {}
+        env = {**(plans[0].nccl_env if plans else {}), **snapshot.job_env(cluster, copy=False)}
         script = sbatch_preview(cluster, run_dir / "submitit", env, run_dir, array_size=len(trains))
         print(f"\nsbatch script ({run_dir}/submitit/):\n{script}")
     if checks:

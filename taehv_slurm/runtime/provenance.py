@@ -5,7 +5,9 @@
     <run_dir>/code/<job>_<restart>.diff   the uncommitted changes of a dirty tree (`git diff HEAD`)
 
 The code is the git work tree the taehv_slurm package was imported from (a checkout installed with
-`pip install -e .`); an installed wheel has no tree, and its version says what ran. Read back by
+`pip install -e .`), or the copy of it a Slurm job runs (taehv_slurm.snapshot: its SNAPSHOT_FILE
+says which tree, commit and diff it copied); an installed wheel has no tree, and its version says what
+ran. Read back by
 `JobHandle.config_history()`, `taehv status` (the commit column) and the submit-time resume check.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
@@ -24,6 +27,7 @@ from typing import Any
 from taehv_slurm.runtime.runfiles import EventLog, write_text_atomic
 
 ATTEMPTS_FILE = "attempts.jsonl"
+SNAPSHOT_FILE = ".taehv-snapshot.json"  # atop the copy of the code a job runs (taehv_slurm.snapshot)
 DIFF_LIMIT_BYTES = 4 << 20  # a larger diff is cut there (and says so): it is a record, not a patch store
 GIT_TIMEOUT_S = 10
 PACKAGES = ("torch", "deepspeed", "submitit", "taehv-slurm")
@@ -67,8 +71,15 @@ def commit_label(attempts: Sequence[Mapping[str, Any]]) -> str | None:
 
 
 def code_state(package_dir: Path) -> dict[str, Any]:
-    """{"tree", "commit", "dirty", "diff"} of the git work tree holding `package_dir`; {"tree": None}
-    where there is none (an installed wheel) or git is missing."""
+    """{"tree", "commit", "dirty", "diff"} of the git work tree holding `package_dir` (for a copy of one,
+    what the copy recorded, and "snapshot": the copy's folder); {"tree": None} where there is none (an
+    installed wheel) or git is missing."""
+    for folder in (package_dir, *package_dir.parents):
+        if (folder / SNAPSHOT_FILE).is_file():
+            with contextlib.suppress(OSError, ValueError):
+                copied = json.loads((folder / SNAPSHOT_FILE).read_text())
+                return {**{k: copied.get(k) for k in ("tree", "commit", "dirty")},
+                        "diff": copied.get("diff") or "", "snapshot": str(folder)}
     top = _git(package_dir, "rev-parse", "--show-toplevel")
     if top is None:
         return {"tree": None, "commit": None, "dirty": None}
