@@ -15,7 +15,8 @@ Each command is a fresh process, `python -m taehv_slurm status ...` as a user's 
 `status` (the last 20 runs), `status RUN` (the long run, by name) and `status --all`; per size, the
 median and fastest wall seconds of --rounds runs and the peak memory (max RSS) of the process. Then
 `JobHandle.metrics()` of the long run at 300,000 lines, --rounds times (each in its own process, pandas
-imported first as in a notebook: seconds, rows, peak memory).
+imported first as in a notebook: seconds, rows, peak memory). `sizes`: the mean bytes of a registry line and
+of a metrics line (the job_dir's size at any --runs and --lines follows).
 The machine's load average is recorded before and after. --smoke: 20 and 50 runs, 2,000 lines, one
 round (the test suite runs it). JSON under bench/results/ (or --out).
 """
@@ -137,6 +138,15 @@ def use(job_dir: Path, work: Path, runs: int, metrics: Path) -> None:
     os.link(metrics, target)
 
 
+def line_sizes(registry: Path, metrics: Path) -> dict[str, float]:
+    """Mean bytes of a registry line and of a metrics line of the long run, as built."""
+    def mean(path: Path) -> float:
+        with path.open("rb") as f:
+            return round(path.stat().st_size / sum(1 for _ in f), 1)
+
+    return {"registry_line_bytes": mean(registry), "metrics_line_bytes": mean(metrics)}
+
+
 # Runs the command in this process, then reports its peak memory: VmHWM, which starts again at exec (the
 # rusage of a child also counts the memory of the process that forked it, this benchmark's).
 PEAK = ("import atexit, runpy, sys\n"
@@ -206,6 +216,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="status-scale-", dir=args.work) as tmp:
         work = Path(tmp)
         job_dir, files = make_job_dir(work, max(runs), sorted({*lines, *frame_lines}))
+        sizes = line_sizes(work / "registry_all.jsonl", files[max(lines)])
         rows = []
         for count in runs:
             for line_count in lines:
@@ -229,7 +240,7 @@ def main() -> None:
             **code_version(), "rounds": args.rounds, "load_before": [round(x, 2) for x in load_before],
             "load_after": [round(x, 2) for x in os.getloadavg()]}
     write_results(args.out, "status_scale_smoke" if args.smoke else "status_scale",
-                  {"info": info, "rows": rows, "metrics_frame": frame})
+                  {"info": info, "sizes": sizes, "rows": rows, "metrics_frame": frame})
 
 
 if __name__ == "__main__":

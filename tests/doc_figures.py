@@ -37,7 +37,7 @@ UNIT = r"(?:clips/s|TFLOP/s|TFLOP|TB/s|GiB|GB|MB|ms|µs|min|s|h|%|log windows?)(
 # numbers joined by –, /, ',' , 'and', 'against' … before one unit ("0.50 / 1.87 s", "47.3 / 24.3 clips/s"),
 # a ratio (4.5×, not the 4 of "4 × H200"), a time as m:ss
 FIGURE = re.compile(rf"(?<![\w.×/:-])(?<!× )(?:[~≈]\s?)?({NUMBER}(?:\s?(?:–|/|,|and|or|against|to)\s?"
-                    rf"{NUMBER})*)(?:\s?({UNIT})|(×)(?![\s\d]))|(?<![\w:])(\d+:\d\d)(?![\d:])")
+                    rf"{NUMBER})*)(?:\s?({UNIT})|(×)(?!\s?\d))|(?<![\w:])(\d+:\d\d)(?![\d:])")
 # How a file's number may be written in the doc, by the doc's unit: a fraction as a percentage, bytes or GB
 # as GiB, seconds as ms or µs (and ms as s), seconds as minutes or hours.
 SCALES = {"%": (1, 100), "GiB": (1, 1e9 / 2**30, 1 / 2**30), "ms": (1, 1e3), "µs": (1, 1e6, 1e3),

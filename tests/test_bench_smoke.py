@@ -137,6 +137,19 @@ def test_status_scale_smoke(tmp_path: Path) -> None:
     assert {(r["runs"], r["command"]) for r in result["rows"]} == {(n, c) for n in (20, 50) for c in commands}
     assert all(r["median_s"] > 0 and 10 < r["max_rss_mb"] < 500 for r in result["rows"]), result["rows"]
     assert result["metrics_frame"]["rows"] == 2000 and result["metrics_frame"]["seconds"] > 0
+    sizes = result["sizes"]  # as built: a registry line is a run's record, a metrics line a step's
+    assert 1000 < sizes["registry_line_bytes"] < 10000 and 100 < sizes["metrics_line_bytes"] < 2000, sizes
+
+
+def test_profile_analysis_prints_its_result_file() -> None:
+    # Read from the kept trace and result files on CPU: the file docs/benchmarks.md cites is what the script
+    # prints now (its first line names the commit it ran at).
+    run = subprocess.run([sys.executable, "bench/profile_analysis.py"], capture_output=True, text=True,
+                         cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    kept = (REPO / "bench/results/profile_analysis_h200_2026-11-27_d93ee1d.txt").read_text()
+    assert run.stdout.splitlines()[1:] == kept.splitlines()[1:]
+    assert "cuDNN's convolutions: " in run.stdout and "FLOPs of one 13×480×720 clip: " in run.stdout
 
 
 def test_slurm_scaling_smoke(slurm_cluster, tmp_path: Path) -> None:

@@ -21,7 +21,18 @@ from pathlib import Path
 import pytest
 
 from taehv_slurm.config import ClusterConfig, TrainConfig
-from tests.doc_figures import RESULT_FILE, Passage, cited, file_numbers, passages, rounds_to, unfound, value
+from tests.doc_figures import (
+    RESULT_FILE,
+    Figure,
+    Passage,
+    cited,
+    figures_in,
+    file_numbers,
+    passages,
+    rounds_to,
+    unfound,
+    value,
+)
 from tests.helpers import REPO
 
 REFERENCE_DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench/results/README.md"]
@@ -44,6 +55,9 @@ DERIVED = [
      "triton_relu_grad: the mean of the new runs against the old ones'"),
     ("docs/benchmarks.md", "4.0", "3 * 2 * 24 * 64 * 240 * 360 / 199.0e-6 / 1e12",
      "the ReLU-gradient kernel's bandwidth: 3 passes of a bf16 24×64×240×360 activation in 199.0 µs"),
+    ("docs/benchmarks.md", "1.5", "100 * (64.033 / 63.086 - 1)",
+     "copy_overlap through the user's command: the run with it against the run without (the rounded 64.0 "
+     "and 63.1 beside it give 1.4)"),
 ]
 
 
@@ -166,6 +180,11 @@ def test_a_result_file_from_a_tree_with_uncommitted_changes_is_cited_as_such() -
     for passage in (p for doc in REFERENCE_DOCS for p in passages(doc)):
         for name in set(cited(passage.text)[0]) & dirty:  # where the passage names it
             assert "uncommitted" in passage.text, f"{passage.where()}: {name} ran with uncommitted changes"
+
+
+def test_a_ratio_is_a_figure_and_a_shape_or_a_count_is_not() -> None:
+    assert figures_in("the teacher costs ~4.5× a student step on 4 × H200, 2×2 tiles, 12 × 480 × 720") == [
+        Figure("4.5", "×")]
 
 
 def test_the_figure_check_finds_a_wrong_figure() -> None:
