@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from taehv_slurm import jobstates, slurm
+from taehv_slurm import followup, jobstates, slurm
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.backend import Outcome, RankBackend
 from taehv_slurm.runtime.steps import in_step_loop
@@ -126,7 +126,11 @@ class LocalBackend(Backend):
 
 
 class SlurmBackend(Backend):
-    """Jobs submitted with sbatch; every question goes through taehv_slurm.slurm."""
+    """Jobs submitted with sbatch; every question goes through taehv_slurm.slurm.
+
+    requeue: how a job goes on after a preemption, the time limit or a fault — `self` (`scontrol requeue`),
+    `follow_up` (its next attempt submitted as a new job, taehv_slurm.followup) or `auto` (self, and a
+    follow-up where Slurm refuses the requeue); job_dir: the registry a follow-up job is recorded in."""
 
     name = "slurm"
     runs_here = False
@@ -134,6 +138,12 @@ class SlurmBackend(Backend):
     writes_sbatch_script = True
     restarts_after_failure = True
     asks_a_scheduler = True
+
+    def __init__(self, requeue: str = "self", job_dir: str | None = None) -> None:
+        self.requeue_mode, self.job_dir = requeue, job_dir
+
+    def _mode(self) -> str:
+        return getattr(self, "requeue_mode", "self")  # a job queued by older code: scontrol requeue
 
     def unavailable_reason(self) -> str | None:
         return slurm.no_slurm_reason(probe=True)
@@ -182,15 +192,29 @@ class SlurmBackend(Backend):
                 reason = "timeout"  # SIGTERM at the time limit: the warning never came (signal_delay_s)
             elif info.get("JobState") in ("COMPLETING", "CANCELLED"):
                 return Outcome("cancelled", {"reason": "cancelled"})
-        if reason == "preempted" and in_step_loop():
+        if reason == "preempted" and in_step_loop() and self._mode() != "follow_up":
             # A SIGTERM that is no job event: the job step alone ends (a peer died, srun ends the rest); the
-            # batch script decides what follows. USR2, the time-limit warning, still requeues.
+            # batch script decides what follows. USR2, the time-limit warning, still requeues. Where Slurm
+            # never requeues the job, a SIGTERM may be a preemption that ends it (PreemptMode=CANCEL): it goes
+            # on as a follow-up job, which starts only if this one does not complete.
             return Outcome("step_ended", {"reason": reason})
-        answer = slurm.requeue(job_id, timeout_s=max(1.0, deadline - time.time()), survive_term=True)
-        if answer.ok:
-            return Outcome("requeue", {"reason": reason, "by": "self", "seconds_lost": 0.0})
-        return Outcome("requeue_failed", {"reason": reason, "error": f"scontrol requeue: {answer.error}",
-                                          "fix": slurm.requeue_fix(answer.error)})
+        return self._requeue(job_id, {"reason": reason, "seconds_lost": 0.0},
+                             timeout_s=max(1.0, deadline - time.time()))
+
+    def _requeue(self, job_id: str, fields: dict[str, Any], timeout_s: float = 60.0,
+                 exclude: Sequence[str] = ()) -> Outcome:
+        """`scontrol requeue` (mode self, auto), or the next attempt as a follow-up job (follow_up, and auto
+        where Slurm refused the requeue)."""
+        refused = None
+        if self._mode() != "follow_up":
+            answer = slurm.requeue(job_id, timeout_s=timeout_s, survive_term=True)
+            if answer.ok:
+                return Outcome("requeue", {**fields, "by": "self"})
+            if self._mode() == "self":
+                return Outcome("requeue_failed", {**fields, "error": f"scontrol requeue: {answer.error}",
+                                                  "fix": slurm.requeue_fix(answer.error)})
+            refused = f"scontrol requeue: {answer.error}"
+        return followup.submit(job_id, self.job_dir, fields, exclude, refused)
 
     def end_step(self) -> None:
         step = os.environ.get("SLURM_STEP_ID")
@@ -224,13 +248,11 @@ class SlurmBackend(Backend):
         return {"released": drop, "nodes_held": len(held) - len(drop)}
 
     def requeue_after_failure(self, job_id: str, exclude: Sequence[str] = ()) -> Outcome:
+        if exclude and self._mode() == "follow_up":
+            return followup.submit(job_id, self.job_dir, {}, exclude)
         if exclude:
             return self._requeue_excluding(job_id, exclude)
-        answer = slurm.requeue(job_id, survive_term=True)
-        if answer.ok:
-            return Outcome("requeue", {"by": "self"})
-        return Outcome("requeue_failed", {"error": f"scontrol requeue: {answer.error}",
-                                          "fix": slurm.requeue_fix(answer.error)})
+        return self._requeue(job_id, {})
 
     def _requeue_excluding(self, job_id: str, nodes: Sequence[str]) -> Outcome:
         """Requeue the job so that its next attempt runs elsewhere: held while its ExcNodeList grows by
@@ -246,6 +268,8 @@ class SlurmBackend(Backend):
         room = slurm.partition_size(info.get("Partition", "")) - size - len(before)
         wanted = [n for n in dict.fromkeys(nodes) if n not in before][: max(0, room)]
         answer = slurm.requeue(job_id, hold=True, survive_term=True)
+        if not answer.ok and self._mode() == "auto":
+            return followup.submit(job_id, self.job_dir, {}, nodes, f"scontrol requeuehold: {answer.error}")
         if not answer.ok:
             return Outcome("requeue_failed", {"error": f"scontrol requeuehold: {answer.error}",
                                               "fix": slurm.requeue_fix(answer.error)})

@@ -56,6 +56,9 @@ def step_loop(python: str, folder: Path, run_dir: Path | None, cluster: ClusterC
                                                           run_dir))
     after = entry_command(python, folder, run_dir, after='"$srun_status"')
     return "\n".join([
+        # A SIGTERM to every process of the job (PreemptMode=CANCEL, scancel --full) must not end the script
+        # before its ranks have saved and said how the run goes on: the job would end, and its ranks with it.
+        "trap : TERM",
         f"relay=$({python} -m taehv_slurm.relay start {shlex.quote(str(folder))} $$ "
         f'{cluster.kill_wait_s + RELAY_LINGER_MARGIN_S}) || exit 1; eval "$relay"',
         f"export {loop_env}{LAUNCH_ENV}=0",
@@ -170,8 +173,10 @@ def slurm_parameters(cluster: ClusterConfig, extra_env: Mapping[str, str] | None
         "setup": setup_lines(cluster, extra_env),
         "use_srun": False,  # the command starts the ranks itself (`step_loop`)
         # --no-kill: a node that fails does not end the job, which then restarts its ranks without it
-        "additional_parameters": {"requeue": True, **({"no-kill": True} if cluster.restart_in_allocation
-                                                      else {}), **cluster.sbatch_args},
+        # follow_up: Slurm must not requeue the job too (its next attempt is a job of its own)
+        "additional_parameters": {("no-requeue" if cluster.requeue == "follow_up" else "requeue"): True,
+                                  **({"no-kill": True} if cluster.restart_in_allocation else {}),
+                                  **cluster.sbatch_args},
     }
     optional = {
         "partition": cluster.partition,

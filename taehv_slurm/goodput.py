@@ -63,8 +63,17 @@ def attempt_rows(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mappi
         allocations.add(allocation)
         rows.append(_attempt_row(start, later, events, train_rows, held, kept_until, trained))
     _share_allocations(rows, starts, events, accounting)
-    _waits(rows, events, accounting)
+    _waits(rows, starts, events, accounting)
+    # numbered across the run's jobs (a chain of follow-up jobs: each its own restart counts from 0)
+    order = list(dict.fromkeys(_allocation_of(start) for start in starts))
+    for row, start in zip(rows, starts):
+        row["attempt"] = order.index(_allocation_of(start))
     return rows
+
+
+def _allocation_of(start: Mapping[str, Any]) -> tuple[str, int]:
+    """(job id, restart count): the allocation an attempt ran in, as sacct numbers them."""
+    return str(start.get("job_id")), int(start.get("restart_count", 0))
 
 
 def run_totals(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -148,12 +157,13 @@ def _nodes_held(events: Sequence[Mapping[str, Any]], start: Mapping[str, Any], b
     return int(restart.get("nodes_held") or before) if restart is not None else before
 
 
-def _allocations(accounting: Sequence[Mapping[str, Any]]) -> dict[int, list[Mapping[str, Any]]]:
-    """Attempt → sacct's allocation records of that run of the job (more than one where it shrank)."""
-    found: dict[int, list[Mapping[str, Any]]] = {}
+def _allocations(accounting: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], list[Mapping[str, Any]]]:
+    """(job id, attempt) → sacct's allocation records of that run of the job (more than one where it
+    shrank)."""
+    found: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
     for r in accounting:
         if "NNodes" in r and "." not in str(r["JobID"]):
-            found.setdefault(int(r["Attempt"]), []).append(r)
+            found.setdefault((str(r["JobID"]), int(r["Attempt"])), []).append(r)
     return found
 
 
@@ -163,13 +173,13 @@ def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str,
     start to the next one's × the nodes held then, the last what is left of the allocation (sacct's Elapsed
     × NNodes summed over its sizes, where there is accounting; else its own span)."""
     allocations = _allocations(accounting)
-    groups: dict[tuple[Any, int], list[int]] = {}
+    groups: dict[tuple[str, int], list[int]] = {}
     for i, start in enumerate(starts):
-        groups.setdefault((start.get("job_id"), rows[i]["attempt"]), []).append(i)
-    for (_, attempt), members in groups.items():
+        groups.setdefault(_allocation_of(start), []).append(i)
+    for allocation, members in groups.items():
         for launch, i in enumerate(members):
             rows[i]["launch"] = launch
-        records = allocations.get(attempt)
+        records = allocations.get(allocation)
         for i in members[:-1]:  # held from its start to the next one's: the restart between them included
             rows[i]["allocated_node_s"] = round((rows[i + 1]["began"] - rows[i]["began"]) * rows[i]["nodes"],
                                                 1)
@@ -210,7 +220,8 @@ def _epoch(text: Any) -> float | None:
         return None
 
 
-def _waits(rows: list[dict[str, Any]], events: Sequence[Mapping[str, Any]],
+def _waits(rows: list[dict[str, Any]], starts: Sequence[Mapping[str, Any]],
+           events: Sequence[Mapping[str, Any]],
            accounting: Sequence[Mapping[str, Any]]) -> None:
     """Each attempt's time in the queue (the first of its allocation) or its restart inside it."""
     allocations = _allocations(accounting)
@@ -222,7 +233,7 @@ def _waits(rows: list[dict[str, Any]], events: Sequence[Mapping[str, Any]],
                 found = float(restart.get("fault_time") or restart["time"])
                 row["restart_s"] = round(row["began"] - found, 1)
             continue
-        records = allocations.get(row["attempt"])
+        records = allocations.get(_allocation_of(starts[i]))
         queued = _queue_seconds(records[0]) if records else None
         if queued is None and i:  # no accounting: from the requeue that ended the attempt before
             requeue = next((e for e in reversed(events) if e["event"] == "requeue"

@@ -2,7 +2,7 @@
 (wait, cancel, requeue). A small object over the modules that know each part: its backend object
 (taehv_slurm.backends: state and control), taehv_slurm.slurm (accounting), the run folder's events
 (taehv_slurm.runtime.runfiles), the registry (re-opening a run by job id) and taehv_slurm.reports
-(DataFrames, plots, progress display). `LogFollower` streams a rank's log.
+(DataFrames, plots, progress display); taehv_slurm.logfollow streams a rank's log.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import contextlib
 import io
 import math
 import os
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,8 +98,19 @@ class JobHandle:
     @property
     def state(self) -> str:
         """The job's state, Slurm's names on every backend (PENDING, RUNNING, COMPLETED, FAILED,
-        CANCELLED, ...)."""
-        return self.backend.state(self.job_id, self.folder, self.job)
+        CANCELLED, ...): its latest follow-up job's, where it has one (taehv_slurm.followup)."""
+        current = self.current_job_id
+        return self.backend.state(current, self.folder, self.job if current == self.job_id else None)
+
+    def chain(self) -> list[str]:
+        """This job with the jobs it follows and its follow-up jobs: one run's attempts, oldest first."""
+        self._registry = self._registry.refresh() if self._registry else Registry.load(self.job_dir)
+        return self._registry.chain(self.job_id)
+
+    @property
+    def current_job_id(self) -> str:
+        """The job that trains the run now, or last did: this one, or its latest follow-up."""
+        return self.chain()[-1]
 
     @property
     def folder(self) -> Path:
@@ -155,7 +165,8 @@ class JobHandle:
     def cancel(self) -> None:
         """Cancel the job. Its ranks get SIGTERM first, so the run saves its step before it ends (the
         task records `cancelled`); submitting the run name again resumes from there."""
-        self.backend.cancel(self.job_id, self.folder, self.job)
+        current = self.current_job_id
+        self.backend.cancel(current, self.folder, self.job if current == self.job_id else None)
 
     def requeue(self) -> None:
         """Preempt the job as the scheduler would (`scontrol requeue`): it saves, requeues and resumes."""
@@ -168,7 +179,9 @@ class JobHandle:
     def follow(self, rank: int = 0, out: TextIO | None = None, position: int = 0, poll_s: float = 1.0,
                hide_tracebacks: bool = False) -> str:
         """Print the rank's log from byte `position` as it grows until the job ends; returns the final state
-        (see `LogFollower`)."""
+        (see `taehv_slurm.logfollow.LogFollower`)."""
+        from taehv_slurm.logfollow import LogFollower
+
         return LogFollower(self, rank, position, hide_tracebacks, poll_s).run(out, poll_s)
 
     def tail(self, n: int = 20, rank: int = 0) -> str:
@@ -205,10 +218,13 @@ class JobHandle:
         return list(self._events_read[1])
 
     def _time_window(self) -> tuple[float, float]:
-        begin = float(self.record["submitted_at"])
-        self._registry = self._registry.refresh() if self._registry else Registry.load(self.job_dir)
-        later = [float(r["submitted_at"]) for r in self._registry.of_run(self.name)
-                 if r["job_id"] != self.job_id and float(r["submitted_at"]) > begin]
+        """From this job's submission (its chain's first job's) to the next submission of the run."""
+        chain = self.chain()
+        records = self._registry.of_run(self.name)
+        begin = min((float(r["submitted_at"]) for r in records if r["job_id"] in chain),
+                    default=float(self.record["submitted_at"]))
+        later = [float(r["submitted_at"]) for r in records
+                 if r["job_id"] not in chain and float(r["submitted_at"]) > begin]
         return begin, min(later, default=math.inf)
 
     def interruptions(self, run_wide: bool = False) -> list[dict[str, Any]]:
@@ -324,18 +340,21 @@ class JobHandle:
     def _accounting_records(self, settle_s: float = 10.0) -> list[dict[str, Any]]:
         """`accounting()` as sacct's records (`slurm.sacct_records`), without pandas: the process's
         answer (taehv_slurm.jobstates), asked again while it lags behind squeue."""
-        records = jobstates.accounting([self.job_id])[self.job_id]
+        chain = self.chain()  # every job of the run's attempts
+        records = [r for j in chain for r in jobstates.accounting(chain)[j]]
         deadline = time.monotonic() + settle_s
         while self._accounting_behind(records) and time.monotonic() < deadline:
             time.sleep(0.5)
-            records = jobstates.accounting([self.job_id], max_age_s=0)[self.job_id]
+            answers = jobstates.accounting(chain, max_age_s=0)
+            records = [r for j in chain for r in answers[j]]
         return records
 
     def _accounting_behind(self, records: list[dict[str, Any]]) -> bool:
-        state = slurm.last_state(self.job_id, records)
+        state = slurm.last_state(self.current_job_id, records)
         if state is None or slurm.is_final(state):
             return False  # no accounting here (or no record at all), or it has the end already
-        return slurm.is_final(jobstates.queue_states([self.job_id])[self.job_id] or "PENDING")
+        current = self.current_job_id
+        return slurm.is_final(jobstates.queue_states([current])[current] or "PENDING")
 
     def goodput(self) -> pd.DataFrame:
         """One row per attempt of this job: allocated node-seconds (sacct's, where the site keeps
@@ -415,79 +434,6 @@ class JobHandle:
         from taehv_slurm.reports import plot_metrics
 
         return plot_metrics({label: self.metrics()}, path, title=label)
-
-
-class LogFollower:
-    """Prints a rank's log as it grows until the job ends; `position` is where it has read to, so a
-    caller interrupted (Ctrl-C) can go on from there. A requeued job appends each run to the same log,
-    so following keeps going across requeues. hide_tracebacks: no tracebacks and no submitit notes, for
-    a caller that prints the error once at the end, naming the log that holds the full text. The log is
-    read at every step; the job's state is asked again after `poll_s`, later while neither it nor the log
-    changes (`JobHandle.wait`'s rhythm)."""
-
-    def __init__(self, handle: JobHandle, rank: int = 0, position: int = 0,
-                 hide_tracebacks: bool = False, poll_s: float = 1.0) -> None:
-        self.handle, self.path, self.position = handle, handle.log_path(rank), position
-        self.filter = _TracebackFilter() if hide_tracebacks else None
-        self.backoff, self.state, self.due = handle.backoff(poll_s), "", 0.0
-
-    def run(self, out: TextIO | None = None, poll_s: float = 1.0) -> str:
-        out = out or sys.stdout
-        while not slurm.is_final(state := self.step(out)):
-            time.sleep(poll_s)
-        return state
-
-    def step(self, out: TextIO) -> str:
-        """Print what the log gained since the last call; returns the job's state, read before the file
-        (a job that just ended has written its last line)."""
-        if time.monotonic() >= self.due:
-            state, self.state = self.state, self.handle.state
-            self.due = time.monotonic() + self.backoff.after(state != self.state)
-        if self.path.exists():
-            with self.path.open("rb") as f:
-                if f.seek(0, 2) < self.position:  # truncated or replaced (never by Slurm's append mode)
-                    self.position = 0
-                f.seek(self.position)
-                chunk = f.read()
-                self.position = f.tell()
-            text = chunk.decode(errors="replace")
-            text = self.filter.feed(text) if self.filter else text
-            if chunk:  # the job moves: its state is asked again soon
-                self.due = min(self.due, time.monotonic() + self.backoff.after(True))
-            if text:
-                out.write(text)
-                out.flush()
-        return self.state
-
-
-class _TracebackFilter:
-    """Log text without Python tracebacks (chained ones too) and without submitit's own notes (its INFO
-    lines, "Submitted job triggered an exception"): the caller prints the error once, with the log's path."""
-
-    CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
-    SUBMITIT_NOTES = ("submitit INFO (", "submitit DEBUG (")
-
-    def __init__(self) -> None:
-        self.pending = ""  # an incomplete last line
-        self.inside = False
-
-    def feed(self, text: str) -> str:
-        lines = (self.pending + text).split("\n")
-        self.pending = lines.pop()
-        kept = []
-        for line in lines:
-            if line.startswith("Traceback (most recent call last):") or line.startswith(self.CHAINED):
-                self.inside = True
-            elif self.inside and (line.startswith((" ", "\t")) or not line.strip()):
-                continue
-            elif self.inside:
-                # the exception's own line ends the traceback (printed once by the caller)
-                self.inside = False
-            elif line.startswith(self.SUBMITIT_NOTES) or "Submitted job triggered an exception" in line:
-                continue
-            else:
-                kept.append(line)
-        return "".join(line + "\n" for line in kept)
 
 
 def _stamp(path: Path) -> tuple[int, int, int] | None:

@@ -27,9 +27,10 @@ from taehv_slurm.runtime.runfiles import EventLog, parse_line, warn_damaged
 
 REGISTRY = "registry.jsonl"
 REQUIRED = ("job_id", "run_dir", "folder")
-# The head of every line `record_submission` writes (json.dumps: event, time, then the entry's job_id, run).
+# The head of every line `record_submission` writes (json.dumps: event, time, then the entry's job_id, run,
+# and for a follow-up job the job it follows: taehv_slurm.followup).
 _HEAD = re.compile(rb'\{"event": "submitted", "time": [-0-9.eE+]+, '
-                   rb'"job_id": "([^"\\]*)", "run": "([^"\\]+)", ')
+                   rb'"job_id": "([^"\\]*)", "run": "([^"\\]+)", (?:"follows": "([^"\\]*)", )?')
 
 
 class UnknownJobError(LookupError):
@@ -42,6 +43,7 @@ class _Line(NamedTuple):
     length: int
     job_id: str
     run: str
+    follows: str | None  # the job whose follow-up this one is
 
 
 class Registry:
@@ -58,6 +60,7 @@ class Registry:
         self.lines: list[_Line] = []  # the submissions, in file order
         self.by_id: dict[str, list[int]] = {}  # job id → its lines' indices
         self.by_run: dict[str, list[int]] = {}  # run name → its lines' indices
+        self.followed_by: dict[str, str] = {}  # job id → its follow-up job's id (taehv_slurm.followup)
         self.records: dict[int, dict[str, Any]] = {}  # parsed so far (index → record)
         self.damaged: set[int] = set()  # indices of lines that turned out damaged
         self.end = 0  # bytes indexed: the end of the last whole line
@@ -145,13 +148,16 @@ class Registry:
                 return False
             if record.get("event") != "submitted":
                 return True  # not a submission: not ours to read
-            job_id, run = str(record["job_id"]), run_name(record)
+            job_id, run, follows = str(record["job_id"]), run_name(record), record.get("follows")
         else:
             job_id, run = head.group(1).decode(), head.group(2).decode()
+            follows = head.group(3).decode() if head.group(3) else None
         index = len(self.lines)
-        self.lines.append(_Line(self.count + (not whole), offset, len(raw), job_id, run))
+        self.lines.append(_Line(self.count + (not whole), offset, len(raw), job_id, run, follows))
         self.by_id.setdefault(job_id, []).append(index)
         self.by_run.setdefault(run, []).append(index)
+        if follows:
+            self.followed_by[follows] = job_id
         if record is not None:
             self.records[index] = record
         return True
@@ -177,8 +183,19 @@ class Registry:
         return [r for i in range(len(self.lines)) if (r := self.record(i)) is not None]
 
     def job_ids(self) -> list[str]:
-        """Every job id once, in the order they were first submitted."""
-        return list(dict.fromkeys(line.job_id for line in self.lines))
+        """Every job id once, in the order they were first submitted — a chain of follow-up jobs once, as its
+        latest job."""
+        return list(dict.fromkeys(line.job_id for line in self.lines if line.job_id not in self.followed_by))
+
+    def chain(self, job_id: str) -> list[str]:
+        """The jobs that are one submission's attempts with `job_id` (the jobs it follows, it, and its
+        follow-ups), oldest first; [job_id] for a job without follow-ups."""
+        members = [job_id]
+        while (lines := self.by_id.get(members[0])) and (before := self.lines[lines[-1]].follows):
+            members.insert(0, before)
+        while (after := self.followed_by.get(members[-1])) and after not in members:
+            members.append(after)
+        return members
 
     def of_run(self, name: str) -> list[dict[str, Any]]:
         """The submissions of the run folder `name` (every job of it), oldest first."""

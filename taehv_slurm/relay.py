@@ -66,7 +66,8 @@ def answer(request: dict[str, Any], token: str) -> slurm.Answer:
         return slurm.Answer(False, error=f"{name} not found where the batch script runs "
                                          f"({socket.gethostname()}): not installed there, or not on PATH")
     return slurm.run_here([binary, *argv[1:]], timeout_s=float(request.get("timeout_s") or 60),
-                          survive_term=bool(request.get("survive_term")), cwd=request.get("cwd"))
+                          survive_term=bool(request.get("survive_term")), cwd=request.get("cwd"),
+                          outside_job=bool(request.get("outside_job")))
 
 
 class Handler(socketserver.StreamRequestHandler):

@@ -85,21 +85,22 @@ class Answer:
 
 
 def run(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False,
-        cwd: str | os.PathLike | None = None) -> Answer:
+        cwd: str | os.PathLike | None = None, outside_job: bool = False) -> Answer:
     """Run a Slurm command — through the job's relay inside a job that has one, else here (`run_here`)."""
     relay = os.environ.get(RELAY_ENV)
     if relay:
-        return relayed(relay, argv, timeout_s, survive_term, cwd)
-    return run_here(argv, timeout_s, survive_term, cwd)
+        return relayed(relay, argv, timeout_s, survive_term, cwd, outside_job)
+    return run_here(argv, timeout_s, survive_term, cwd, outside_job)
 
 
 def relayed(relay: str, argv: Sequence[str], timeout_s: float, survive_term: bool,
-            cwd: str | os.PathLike | None) -> Answer:
+            cwd: str | os.PathLike | None, outside_job: bool = False) -> Answer:
     """`argv` run by the job's Slurm relay (its own copy of the command, found where the batch script
     runs); an unreachable relay is an answer too."""
     host, port, token = relay.rsplit(":", 2)
     request = {"token": token, "argv": [os.path.basename(argv[0]), *argv[1:]], "timeout_s": timeout_s,
-               "survive_term": survive_term, "cwd": None if cwd is None else str(cwd)}
+               "survive_term": survive_term, "cwd": None if cwd is None else str(cwd),
+               "outside_job": outside_job}
     try:
         with socket.create_connection((host, int(port)), timeout=RELAY_CONNECT_S) as conn:
             conn.settimeout(timeout_s + RELAY_CONNECT_S)
@@ -114,8 +115,9 @@ def relayed(relay: str, argv: Sequence[str], timeout_s: float, survive_term: boo
 
 
 def run_here(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = False,
-             cwd: str | os.PathLike | None = None) -> Answer:
+             cwd: str | os.PathLike | None = None, outside_job: bool = False) -> Answer:
     """Run a Slurm command; its failure (missing binary, non-zero exit, timeout) becomes an Answer.
+    outside_job: without this job's own variables (`environ_outside_job`), for an sbatch from inside it.
     survive_term: the command ignores SIGTERM — for the commands a job runs on itself to requeue itself
     (`scontrol requeue`, `requeuehold` and what follows it): Slurm's SIGTERM to the job's processes on
     the requeue reaches them too, and would end them half-way (a requeue that happened, recorded as
@@ -128,7 +130,7 @@ def run_here(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = Fa
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if survive_term else None
     try:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   cwd=cwd)
+                                   cwd=cwd, env=environ_outside_job() if outside_job else None)
     except FileNotFoundError:
         return Answer(False, error=f"{argv[0]} not found (not installed here, or not on PATH)")
     finally:
@@ -146,6 +148,17 @@ def run_here(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = Fa
         lines = (stderr or stdout).strip().splitlines()
         return Answer(False, stdout, lines[-1].strip() if lines else f"exit code {process.returncode}")
     return Answer(True, stdout)
+
+
+# Set by Slurm, the batch script or our entry point for this job alone: a job submitted from inside it with
+# sbatch's --export=ALL would inherit them where Slurm does not set its own (SLURM_RESTART_COUNT, say).
+JOB_ONLY_VARS = ("SUBMITIT_FOLDER", "TAEHV_STARTED_AT", "TAEHV_LAUNCH", "TAEHV_STEP_LOOP", RELAY_ENV)
+
+
+def environ_outside_job() -> dict[str, str]:
+    """This process's environment less what belongs to the job it runs in (SLURM_CONF stays)."""
+    return {k: v for k, v in os.environ.items()
+            if k not in JOB_ONLY_VARS and (k == "SLURM_CONF" or not k.startswith(("SLURM_", "SRUN_")))}
 
 
 def scontrol() -> str | None:
@@ -324,6 +337,29 @@ def sinfo(args: Sequence[str]) -> Answer:
         return Answer(False, error="sinfo did not answer within 60 s: "
                                    "the Slurm controller is unreachable or overloaded")
     return Answer(False, error=f"sinfo failed: {answer.error}")
+
+
+def submit_follow_up(script: str | os.PathLike, job_id: str, exclude: Sequence[str] = (),
+                     cwd: str | os.PathLike | None = None) -> Answer:
+    """`sbatch --parsable` of a job's own batch script as its next attempt: it starts once `job_id` ended in
+    a failed state (afternotok: preempted, timed out, failed, cancelled), and is removed by Slurm if that job
+    completes (--kill-on-invalid-dep); an array task's follow-up is an array of that one task. Without the
+    job's own variables. Ok with the new job's id (ARRAY_TASK for an array task) as output."""
+    array, _, task = job_id.partition("_")
+    argv = ["sbatch", "--parsable", f"--dependency=afternotok:{job_id}", "--kill-on-invalid-dep=yes",
+            *([f"--array={task}"] if task else []), *([f"--exclude={','.join(exclude)}"] if exclude else []),
+            str(script)]
+    answer = run(argv, timeout_s=60, survive_term=True, cwd=cwd, outside_job=True)
+    if not answer.ok:
+        return answer
+    new = answer.output.strip().split(";")[0]
+    return Answer(True, f"{new}_{task}" if task else new)
+
+
+def site_requeues(config: Mapping[str, str]) -> bool:
+    """Whether the cluster requeues preempted jobs (PreemptMode without CANCEL) and lets jobs be requeued
+    (JobRequeue not 0), from `show_config`'s answer."""
+    return "CANCEL" not in config.get("PreemptMode", "OFF").upper() and config.get("JobRequeue", "1") != "0"
 
 
 def show_config(timeout_s: float = 30) -> dict[str, str] | Answer:

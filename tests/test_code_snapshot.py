@@ -1,7 +1,8 @@
 """A Slurm job runs the code it was submitted with, whatever happens to the checkout while it waits.
 
-On the real testbed, from a git checkout of its own: two jobs are submitted to start in an hour, then the checkout is edited
-so that its entry point refuses to run, a 1-GiB data file appears in it (untracked), and the jobs may start.
+On the real testbed, from a git checkout of its own: two jobs are submitted to start in an hour, then the
+checkout is edited so that its entry point refuses to run, a 1-GiB data file appears in it (untracked), and
+the jobs may start.
 The job with the snapshot (the default) trains, is requeued, and trains on to its end on the
 submitted code; the one submitted with `code_snapshot: false` runs the edited checkout and fails at once.
 """
@@ -52,8 +53,8 @@ def checkout_of_this_tree(where: Path) -> Path:
 
 def submit_from(checkout: Path, job_dir: Path, name: str, snapshot: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    done = subprocess.run([sys.executable, "-c", SUBMIT, str(job_dir), name, snapshot], cwd=checkout, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", SUBMIT, str(job_dir), name, snapshot], cwd=checkout,
+                          env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()[-1]
 
@@ -64,7 +65,7 @@ def test_a_job_trains_the_submitted_code_after_the_checkout_changes(tmp_path: Pa
     kept = submit_from(checkout, job_dir, "kept", "on")
     live = submit_from(checkout, job_dir, "live", "off")
 
-    entry = checkout / "taehv_slurm" / "runtime" / "entry.py"  # every rank's and the batch script's first code
+    entry = checkout / "taehv_slurm" / "runtime" / "entry.py"  # the first code of the ranks and of the script
     entry.write_text(entry.read_text().replace("    signals.hold()", f"    {EDIT}\n    signals.hold()", 1))
     with open(checkout / "data.bin", "wb") as big:  # untracked data inside the tree: 1 GiB, never copied
         big.truncate(1 << 30)

@@ -12,11 +12,12 @@ Imports no torch: the ranks import the trainer.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
 
-from taehv_slurm import snapshot
+from taehv_slurm import slurm, snapshot
 from taehv_slurm.backends import backend_named
 from taehv_slurm.checks import Row, machine_rows, require_passing, table
 from taehv_slurm.cli import watch
@@ -37,6 +38,7 @@ from taehv_slurm.executor import sbatch_preview
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.messages import command
 from taehv_slurm.plan import ScalePlan, plan_for_cluster
+from taehv_slurm.registry import Registry, UnknownJobError
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.security import describe_secret_env
 from taehv_slurm.slurm import is_success
@@ -81,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "still checks at start-up); the same as --set check_data_on_submit=false")
     p.add_argument("--force", action="store_true",
                    help="the run name has a live job: cancel it (it saves at the signal), wait, then submit")
+    p.add_argument("--after", metavar="JOB",
+                   help="start once job JOB (a job id, or a run name of the job_dir, e.g. a `taehv prepare` "
+                        "run) has completed, and never if it fails; its data is not read before submitting")
     p.add_argument("--no-snapshot", action="store_true",
                    help="a Slurm job imports the checkout as it is when each attempt starts, not the copy of "
                         "its tracked files made now; the same as --set code_snapshot=false")
@@ -94,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_snapshot:
         cluster_over["code_snapshot"] = False
     cluster = load_cluster_from_args(args, cluster_over)
+    if args.after:
+        cluster.sbatch_args = {**cluster.sbatch_args, **dependency_on(args.after, cluster.job_dir)}
+        args.skip_data_checks = True  # what the job trains on may be what JOB makes
     train = load_train(args.train, origins=flag_origins(args), **train_over)
     if args.sweep and args.task != "train":
         raise ConfigError("--sweep applies to --task train")
@@ -181,6 +189,22 @@ def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict]
               f"{', '.join(dict.fromkeys(failed))} failed (nothing was submitted)")
         return 2
     return 0
+
+
+def dependency_on(job: str, job_dir: str) -> dict[str, str]:
+    """sbatch's flags that start a job once `job` (a job id, or a run of job_dir: its newest job) completed;
+    ConfigError in one line when Slurm knows no such job."""
+    try:
+        job_id = Registry.load(job_dir).find(job)["job_id"] if not re.fullmatch(r"\d+(_\d+)?", job) else job
+    except UnknownJobError as err:
+        raise ConfigError(f"--after {job}: {err}") from None
+    state = slurm.job_state(job_id)
+    if state is None:
+        raise ConfigError(f"--after {job}: Slurm knows no job {job_id} (neither squeue nor sacct lists it): "
+                          "check the id (`squeue --me`, `taehv status`)")
+    if slurm.is_final(state) and not slurm.is_success(state):
+        raise ConfigError(f"--after {job}: job {job_id} ended {state}; this job would never start")
+    return {"dependency": f"afterok:{job_id}", "kill-on-invalid-dep": "yes"}
 
 
 def print_submitted(cluster: ClusterConfig, handles: list[JobHandle]) -> None:

@@ -44,7 +44,7 @@ from taehv_slurm.runtime.guards import Guards, is_communication_error, is_hardwa
 from taehv_slurm.runtime.ranks import RankFile, describe_ranks, killed_ranks, node_name, read_ranks
 from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.runtime.runlock import RunLock
-from taehv_slurm.runtime.steps import Placement, in_step_loop, launch_number
+from taehv_slurm.runtime.steps import FOLLOW_UP_EXIT_CODE, Placement, handed_over, in_step_loop, launch_number
 from taehv_slurm.runtime.watchdog import Verdict, Watchdog, WatchdogSettings
 from taehv_slurm.security import make_private_dir
 
@@ -312,6 +312,8 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         history, records = events.read(), read_ranks(run_dir, job_id, restart)
         began = min((r["started"] for r in records), default=time.time())
         this_attempt = [e for e in history if e.get("job_id") == job_id and e.get("time", 0) >= began]
+        if handed_over(this_attempt):
+            return FOLLOW_UP_EXIT_CODE
         if any(e["event"] in ("requeue", "requeue_failed", "cancelled", "stopped", "failure", "hang")
                for e in this_attempt):
             return status  # the ranks said what happened themselves
@@ -332,6 +334,8 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             exclude = hosts if self.exclude_failed_nodes else []
             event = self._requeue_or_stop(events, run_dir, job_id, segment, "killed", step, exclude,
                                           since=began)
+            if event == "requeue" and handed_over(events.read()[-1:]):
+                return FOLLOW_UP_EXIT_CODE
             if event == "requeue" and self.backend.requeue_exit_code:  # a controller restarts by exit code
                 return self.backend.requeue_exit_code
         return status

@@ -30,7 +30,14 @@ from taehv_slurm.runtime.distenv import attempt_of_environ
 from taehv_slurm.runtime.guards import is_hardware_fault
 from taehv_slurm.runtime.ranks import killed_ranks, read_ranks
 from taehv_slurm.runtime.runfiles import EventLog
-from taehv_slurm.runtime.steps import RESTART_EXIT_CODE, allocation_nodes, launch_number, write_step
+from taehv_slurm.runtime.steps import (
+    FOLLOW_UP_EXIT_CODE,
+    RESTART_EXIT_CODE,
+    allocation_nodes,
+    handed_over,
+    launch_number,
+    write_step,
+)
 
 if TYPE_CHECKING:
     from taehv_slurm.runtime.requeue import RequeueableTask
@@ -48,6 +55,8 @@ def after_step(task: RequeueableTask, status: int, last_error: str) -> int:
     history, records = events.read(), read_ranks(run_dir, job_id, restart, launch)
     since = step_began(history, records, job_id, restart, launch)
     window = [e for e in history if e.get("job_id") == job_id and e.get("time", 0) >= since]
+    if handed_over(window):
+        return FOLLOW_UP_EXIT_CODE
     if any(e["event"] in (*JOB_ENDS, "finished") for e in window):
         return status  # the ranks settled it with Slurm (a preemption, the time limit, a cancel), or finished
     if status == 0 and not any(e["event"] == "step_ended" for e in window):
@@ -128,9 +137,9 @@ def restart_or_requeue(task: RequeueableTask, events: EventLog, run_dir: Path, j
         why = ("no usable set of nodes is left in the allocation" if nodes is None
                else f"{left:.0f} s are left before the time limit, a restart needs ~{needed:.0f} s")
         print(f"[taehv] requeueing instead of restarting in the allocation: {why}", flush=True)
-        task._requeue_or_stop(events, run_dir, job_id, segment, fault["cause"], fault["step"], now,
-                              since=fault["time"])
-        return status
+        event = task._requeue_or_stop(events, run_dir, job_id, segment, fault["cause"], fault["step"], now,
+                                      since=fault["time"])
+        return FOLLOW_UP_EXIT_CODE if event == "requeue" and handed_over(events.read()[-1:]) else status
     saved = Checkpointer(run_dir / "checkpoints").read_meta()
     tasks_per_node = task.placement.tasks_per_node
     released = task.backend.release_nodes(job_id, before + now) if before + now else {}

@@ -27,6 +27,14 @@ from taehv_slurm.runtime.distenv import expand_nodelist, slurm_job_id
 LAUNCH_ENV = "TAEHV_LAUNCH"  # 0 for the allocation's first step, +1 for each restart inside it
 STEP_LOOP_ENV = "TAEHV_STEP_LOOP"  # set by a batch script that restarts steps: the ranks leave that to it
 RESTART_EXIT_CODE = 75  # `entry --after`'s answer: start the ranks again (EX_TEMPFAIL)
+# The job's exit status once its next attempt is a follow-up job (taehv_slurm.followup): not 0, so that the
+# follow-up's afternotok dependency holds; sacct shows the job FAILED with this code.
+FOLLOW_UP_EXIT_CODE = 76
+
+
+def handed_over(events: list[dict]) -> bool:
+    """Whether these events of one attempt end it with a follow-up job taking over."""
+    return any(e["event"] == "requeue" and e.get("follow_up") for e in events)
 
 
 @dataclass(frozen=True)
