@@ -14,12 +14,22 @@ export DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes PIP_ROOT_USER_ACTIO
 began=$SECONDS
 say() { echo "setup: $*"; }
 
-packages=(slurm-wlm munge slurmdbd mariadb-server mariadb-client util-linux procps ca-certificates)
+packages=(slurm-wlm munge slurmdbd mariadb-server mariadb-client util-linux procps ca-certificates
+          charliecloud-runtime debootstrap)
 command -v "$PY" >/dev/null || packages+=(python3)
 say "Slurm, munge, MariaDB (apt)"
 apt-get -qq update
 apt-get -qq install -y --no-install-recommends "${packages[@]}" >/dev/null
 id -u taehvtest >/dev/null 2>&1 || useradd -m taehvtest  # unprivileged user for tests/test_security_*.py
+# The container tests' image (tests/test_containers.py, Charliecloud's ch-run): Debian 12 without Slurm, with
+# what a Python interpreter mounted from this machine links against; /etc/hosts for ch-run to fill.
+if [ ! -e .container-image/etc/taehv-test-image ]; then
+    say "a Debian 12 container image without Slurm (debootstrap, for the container tests)"
+    rm -rf .container-image
+    debootstrap --variant=minbase --include=python3,libssl3,libffi8,libsqlite3-0,libbz2-1.0,liblzma5,libreadline8,libncursesw6,libgomp1 \
+        bookworm .container-image http://deb.debian.org/debian >/dev/null
+    touch .container-image/etc/hosts .container-image/etc/taehv-test-image
+fi
 
 # PEP 668: pip may not install into this interpreter's own packages (outside a virtual environment).
 if "$PY" -c 'import os, sys, sysconfig

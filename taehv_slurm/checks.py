@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from taehv_slurm import container
 from taehv_slurm.backends import backend_named
 from taehv_slurm.changes import config_changes, refusals
 from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig
@@ -91,10 +92,24 @@ def submit_checks(cluster: ClusterConfig, trains: Sequence[TrainConfig], plans: 
     return rows
 
 
-def machine_rows(cluster: ClusterConfig) -> list[Row]:
-    """A backend that runs here must find the GPUs the cluster config asks for on this machine."""
-    if not backend_named(cluster.backend).runs_here or cluster.gpus_per_node == 0 or cluster.device == "cpu":
+def container_rows(cluster: ClusterConfig) -> list[Row]:
+    """The container image the ranks run in: there (or a well-formed reference), with what they need
+    mounted."""
+    if not cluster.container_image:
         return []
+    problem = container.image_problem(cluster) or container.mounts_problem(cluster, cluster.job_dir)
+    if problem:
+        return [Row("container", "FAIL", problem)]
+    return [Row("container", "PASS", f"{cluster.container_runtime} runs the ranks in "
+                                     f"{cluster.container_image} ({len(cluster.container_mounts)} mount(s)); "
+                                     "Slurm's commands outside it")]
+
+
+def machine_rows(cluster: ClusterConfig) -> list[Row]:
+    """Where the ranks run: a backend that runs here must find the GPUs the cluster config asks for on this
+    machine; a container image must be there, with the run folders mounted."""
+    if not backend_named(cluster.backend).runs_here or cluster.gpus_per_node == 0 or cluster.device == "cpu":
+        return container_rows(cluster)
     have = gpus_here()
     if have >= cluster.gpus_per_node:
         return [Row("machine", "PASS", f"{have} GPU(s) here for {cluster.gpus_per_node} per node")]

@@ -57,6 +57,14 @@ def rank_command(cluster: ClusterConfig, command: str) -> str:
     return f"{shlex.join(words)} --cd={WORKDIR} {shlex.quote(image)} -- {command}"
 
 
+def script_lines(cluster: ClusterConfig) -> list[str]:
+    """The batch script's lines before the ranks start: ch-run refuses to start without $USER, which a job's
+    environment need not hold."""
+    if cluster.container_image and cluster.container_runtime == "charliecloud":
+        return ['export USER="${USER:-$(id -un)}"']
+    return []
+
+
 def ranks_python(cluster: ClusterConfig, python: str) -> str:
     """The interpreter that starts the ranks: the image's inside a container, else `python`."""
     return cluster.container_python if cluster.container_image else python
@@ -104,6 +112,14 @@ def mounts_problem(cluster: ClusterConfig, job_dir: str | os.PathLike) -> str | 
             same_path.append(Path(os.path.abspath(source)))
     if cluster.container_runtime == "apptainer":  # Apptainer's own default binds
         same_path += [Path.home(), Path.cwd(), Path("/tmp")]
+    if cluster.container_runtime == "charliecloud" and Path(cluster.container_image).is_dir():
+        image = Path(cluster.container_image)
+        missing = [m.split(":")[1] for m in cluster.container_mounts
+                   if not (image / m.split(":")[1].lstrip("/")).is_dir()]
+        if missing:
+            return (f"container_mounts: {missing[0]} is no folder in the image {image}: Charliecloud binds "
+                    f"only onto folders the image has (mkdir -p {image}{missing[0]}, or rebuild the image "
+                    "with it)")
     runs = Path(os.path.abspath(job_dir))
     if not any(runs == t or t in runs.parents for t in same_path):
         return (f"the run folders ({runs}) are not mounted at their own path inside the container: add "

@@ -61,6 +61,7 @@ def step_loop(python: str, folder: Path, run_dir: Path | None, cluster: ClusterC
         "trap : TERM",
         f"relay=$({python} -m taehv_slurm.relay start {shlex.quote(str(folder))} $$ "
         f'{cluster.kill_wait_s + RELAY_LINGER_MARGIN_S}) || exit 1; eval "$relay"',
+        *container.script_lines(cluster),
         f"export {loop_env}{LAUNCH_ENV}=0",
         # an array task is ARRAY_TASK to Slurm's commands and to submitit, and names its logs so
         'job=$SLURM_JOB_ID; [ -n "$SLURM_ARRAY_JOB_ID" ] && job=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID',

@@ -22,7 +22,7 @@ from typing import Any
 
 from taehv_slurm import slurm
 from taehv_slurm.backends import backend_named
-from taehv_slurm.checks import Row, data_row
+from taehv_slurm.checks import Row, container_rows, data_row
 from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_cluster, load_train
 from taehv_slurm.executor import SubmissionError
 from taehv_slurm.plan import plan_for_cluster, taehv_param_count
@@ -84,6 +84,7 @@ class Preflight:
                      f"{c.nodes} node(s) × {c.tasks_per_node} tasks, gres {c.gres_request or 'none'}, "
                      f"{c.cpus_per_task} CPUs/task, "
                      f"device {c.device}")
+            self.rows += container_rows(c)
         except ConfigError as err:
             self.add("cluster config", "FAIL", str(err))
         try:

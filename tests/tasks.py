@@ -191,3 +191,19 @@ class MeetsAFault:
                 _save_count(checkpoints, step)
         ctx.finished(step)
         return step
+
+
+class SaysWhereItRuns(CountingTask):
+    """CountingTask that records, per rank and attempt, what its process sees: whether scontrol is on its
+    PATH and whether it runs inside the container tests' image (the marker scripts/setup.sh puts there)."""
+
+    def __call__(self, ctx: Any) -> int:
+        import json
+        import shutil
+        from pathlib import Path
+
+        seen = {"scontrol": shutil.which("scontrol"), "in_image": Path("/etc/taehv-test-image").exists(),
+                "slurm_conf": Path("/etc/slurm/slurm.conf").exists()}
+        name = f"seen-{ctx.env.rank}-{ctx.env.restart_count}.json"
+        (ctx.run_dir / name).write_text(json.dumps(seen))
+        return super().__call__(ctx)
