@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from taehv_slurm import container
+from taehv_slurm import container, snapshot
 from taehv_slurm.backends import backend_named
 from taehv_slurm.changes import config_changes, refusals
 from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig
@@ -105,11 +105,29 @@ def container_rows(cluster: ClusterConfig) -> list[Row]:
                                      "Slurm's commands outside it")]
 
 
+def snapshot_rows(cluster: ClusterConfig) -> list[Row]:
+    """The code a Slurm job will import (taehv_slurm.snapshot): WARN for Python files git does not track,
+    which the copy leaves out."""
+    if not (cluster.code_snapshot and backend_named(cluster.backend).writes_sbatch_script):
+        return []
+    tree = snapshot.checkout()
+    if tree is None:
+        return []
+    left_out = snapshot.untracked_modules(tree)
+    if left_out:
+        more = ", ..." if len(left_out) > 3 else ""
+        return [Row("code", "WARN", f"{len(left_out)} Python file(s) of {tree.top} are not tracked by git "
+                                    f"and not in the job's copy of the code ({', '.join(left_out[:3])}{more}): "
+                                    "`git add` them, or --no-snapshot")]
+    return [Row("code", "PASS", f"the job imports a copy of the {len(tree.files)} files git tracks in "
+                                f"{tree.top}, as they are now")]
+
+
 def machine_rows(cluster: ClusterConfig) -> list[Row]:
     """Where the ranks run: a backend that runs here must find the GPUs the cluster config asks for on this
     machine; a container image must be there, with the run folders mounted."""
     if not backend_named(cluster.backend).runs_here or cluster.gpus_per_node == 0 or cluster.device == "cpu":
-        return container_rows(cluster)
+        return container_rows(cluster) + snapshot_rows(cluster)
     have = gpus_here()
     if have >= cluster.gpus_per_node:
         return [Row("machine", "PASS", f"{have} GPU(s) here for {cluster.gpus_per_node} per node")]

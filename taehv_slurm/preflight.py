@@ -26,6 +26,7 @@ from taehv_slurm.checks import Row, container_rows, data_row
 from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_cluster, load_train
 from taehv_slurm.executor import SubmissionError
 from taehv_slurm.plan import plan_for_cluster, taehv_param_count
+from taehv_slurm.runtime import network
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.security import UnsafePathError, check_not_shared_writable
 from taehv_slurm.slurm_checks import not_checked_rows, slurm_rows
@@ -303,6 +304,21 @@ class Preflight:
             self.add(f"all-reduce {size} MiB", result,
                      f"bus bandwidth {low:.3g} GB/s (slowest rank; {world} ranks over {c.nodes} node(s), "
                      f"{facts[0]['backend']})" + (f"; below --min-bus-gbps {floor:g}" if low < floor else ""))
+        self._network_row(facts, sizes)
+
+    def _network_row(self, facts: list[dict[str, Any]], sizes: tuple[int, ...]) -> None:
+        """What the collectives travel over between the nodes, as the library chose it, with the largest
+        size's bus bandwidth; WARN where a node has InfiniBand devices and NCCL chose sockets."""
+        first = next((f for f in facts if f.get("network")), None)
+        if first is None:
+            return
+        speed = min((f["bus_bandwidth_gbps"].get(max(sizes), f["bus_bandwidth_gbps"].get(str(max(sizes))))
+                     or 0.0 for f in facts), default=None) if sizes else None
+        measured = f"; {speed:.3g} GB/s bus bandwidth at {max(sizes)} MiB" if speed is not None else ""
+        warned = next((w for f in facts if (w := network.warning(f["network"], f.get("infiniband") or []))),
+                      None)
+        self.add("network", "WARN" if warned else "PASS",
+                 warned or f"{network.describe(first['network'])}{measured}")
 
     @staticmethod
     def _gpu_check(mine: list[dict[str, Any]], c: ClusterConfig) -> tuple[str, str]:

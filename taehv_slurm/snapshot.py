@@ -114,6 +114,16 @@ def make(tree: Tree, job_dir: str | os.PathLike, group: str | None = None) -> Pa
     return tree.import_root(job_dir)
 
 
+def untracked_modules(tree: Tree) -> list[str]:
+    """Python files in the tree that git does not track (nor ignore): not in the copy, so a job that imports
+    one fails."""
+    try:
+        listed = _git(tree.top, "ls-files", "-z", "--others", "--exclude-standard", "--", "*.py")
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    return sorted(n for n in listed.split("\0") if n)
+
+
 def job_env(cluster: ClusterConfig, copy: bool = True) -> dict[str, str]:
     """The environment that makes a job of `cluster` import the submitted code: PYTHONPATH with the copy first
     ({} for a local job, `code_snapshot: false`, or an installed package). copy=False: where the copy would

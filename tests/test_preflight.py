@@ -63,6 +63,10 @@ def test_passing_run_with_a_job_on_two_nodes(tmp_path: Path) -> None:
         assert detail.startswith(f"{ranks} (2 tasks); Slurm allocated 2 of 2 GPUs (SLURM_GPUS_ON_NODE")
         assert "no CUDA device was checked" in detail and "driver none" in detail
     assert "GB/s" in rows["all-reduce 4 MiB"][1]
+    # what the collectives travel over between the nodes (gloo on CPUs: TCP), with the bandwidth measured
+    assert rows["network"][0] == "PASS"
+    pattern = r"gloo over Socket \(\S+\); [\d.]+ GB/s bus bandwidth at 4 MiB"
+    assert re.fullmatch(pattern, rows["network"][1]), rows
 
 
 def test_missing_partition_fails_that_row_and_submits_nothing(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from taehv_slurm.backends import LocalBackend
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.context import StopFlag, grace_seconds
 from taehv_slurm.runtime.controller import LOCAL_REQUEUE_EXIT_CODE
+from taehv_slurm.runtime.provenance import read_attempts
 from taehv_slurm.runtime.requeue import RequeueableTask
 from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.security import make_private_dir, private_umask
@@ -76,7 +77,8 @@ def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
     for n, at in enumerate(sorted(rng.sample(range(4, 40), 3)), start=1):
         wait_for(lambda at=at: last_step(preempted.run_dir) >= at, 600, f"step {at}")
         subprocess.run(["scontrol", "requeue", preempted.job_id], check=True)
-        wait_for(lambda n=n: len(events(preempted, "start")) > n, 600, f"restart {n}")
+        # its first step trained, so that each attempt has a time to first step (goodput, below)
+        wait_for(lambda n=n: len(events(preempted, "first_step")) > n, 600, f"restart {n}")
     assert wait_done(preempted.job_id, 900) == "COMPLETED", preempted.tail(60)
     assert wait_done(reference.job_id, 900) == "COMPLETED", reference.tail(60)
 
@@ -91,6 +93,11 @@ def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
     for key in ("params", "exp_avg", "exp_avg_sq", "optimizer_step"):
         assert_identical({key: ref_state[key]}, {key: state[key]})
     assert_one_tracker_run(preempted.run_dir, attempts=4, side=train.data.height)
+    # every attempt recorded what its ranks talked over between the 2 nodes (gloo: TCP), and logged it
+    networks = [a["network"] for a in read_attempts(preempted.run_dir)]
+    assert len(networks) == 4 and all((n["backend"], n["transport"], n["nodes"]) == ("gloo", "Socket", 2)
+                                      for n in networks)
+    assert preempted.tail(10_000).count("network between the ranks: gloo over Socket") == 4
     frame = preempted.accounting()  # real sacct: one REQUEUED record per interrupted run, then COMPLETED
     allocations = frame[frame["JobID"] == preempted.job_id]
     assert list(allocations["State"]) == ["REQUEUED"] * 3 + ["COMPLETED"]
@@ -221,6 +228,7 @@ def test_crash_loop_stops_with_a_reason(tmp_path: Path) -> None:
 SIGNALLED_AFTER_FINISHING = """
 import os, subprocess, sys, time
 from pathlib import Path
+from taehv_slurm.runtime.provenance import read_attempts
 from taehv_slurm.runtime.requeue import RequeueableTask
 
 def train(ctx):

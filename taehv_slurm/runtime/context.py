@@ -204,7 +204,7 @@ class RunContext:
                               host=node_name(), began=self.began, **info)
             with contextlib.suppress(OSError):  # a record, never a reason for the attempt to fail
                 record_attempt(self.run_dir, self.env.job_id, self.env.restart_count, self.segment, step,
-                               config)
+                               config, info.get("network"))
         if self.watchdog is not None:
             self.watchdog.enter("step", step)
             self.watchdog.rank_file.write()  # the step it resumed from, for anyone who finds it dead

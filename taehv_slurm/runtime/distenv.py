@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from taehv_slurm.messages import first_line
+from taehv_slurm.runtime import network
 
 # MASTER_PORT = PORT_BASE + job_id % PORT_SPAN. The range sits below Linux's ephemeral ports
 # (32768–60999), so an outgoing connection never holds it; two jobs on one node share a port only if
@@ -305,6 +306,7 @@ def init_distributed(env: DistEnv, backend: str | None = None, timeout_s: float 
     store = rendezvous_store(env, rendezvous_timeout_s)
     kwargs = {}
     if use_cuda and backend == "nccl" and env.world_size > 1:
+        network.nccl_debug_file()  # what NCCL chooses between nodes, for network.transport
         # Connect NCCL now, so a rank that cannot fails here rather than at its first step. Not for one rank:
         # it runs none of our collectives (each is skipped at world size 1; DeepSpeed's connect on first use),
         # and connecting its communicator would only lengthen every start (by about a second in a profile

@@ -34,8 +34,10 @@ PACKAGES = ("torch", "deepspeed", "submitit", "taehv-slurm")
 
 
 def record_attempt(run_dir: str | os.PathLike, job_id: str, restart: int, segment: int | None, step: int,
-                              config: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Append this attempt's record (rank 0, at its start); returns it. Never raises for a missing git."""
+                   config: Mapping[str, Any] | None,
+                   network: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Append this attempt's record (rank 0, at its start); returns it. Never raises for a missing git.
+    `network`: how its ranks talk between nodes (taehv_slurm.runtime.network.transport)."""
     run_dir = Path(run_dir)
     code = code_state(Path(__file__).resolve().parents[1])
     diff = code.pop("diff", "")
@@ -46,7 +48,8 @@ def record_attempt(run_dir: str | os.PathLike, job_id: str, restart: int, segmen
         write_text_atomic(path, diff, 0o600)
         code["diff_file"] = path.relative_to(run_dir).as_posix()
     record = {"job_id": str(job_id), "restart": restart, "segment": segment, "step": step, "hosts": hosts(),
-              "code": code, "versions": versions(), "config": dict(config or {})}
+              "code": code, "versions": versions(), "config": dict(config or {}),
+              **({"network": dict(network)} if network else {})}
     EventLog(run_dir / ATTEMPTS_FILE).write("attempt", **record)
     return record
 

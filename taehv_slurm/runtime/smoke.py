@@ -11,6 +11,7 @@ import socket
 import time
 from typing import Any
 
+from taehv_slurm.runtime import network
 from taehv_slurm.runtime.distenv import DistEnv, destroy_distributed, init_distributed
 
 
@@ -53,6 +54,8 @@ class SmokeTask:
             "expected_sum": env.world_size * (env.world_size - 1) / 2,
             "rendezvous_s": round(rendezvous_s, 3),
             "bus_bandwidth_gbps": {size: _bus_bandwidth(size, device) for size in self.bandwidth_mib},
+            "network": network.transport(backend, env.world_size, env.num_nodes),
+            "infiniband": network.infiniband_devices(),
         }
         dist.barrier()
         destroy_distributed()

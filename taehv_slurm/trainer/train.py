@@ -30,6 +30,7 @@ import torch.distributed as dist
 from taehv_slurm.config import RuntimeSettings, TrainConfig, load_train
 from taehv_slurm.messages import command, rank_logger
 from taehv_slurm.plan import ScalePlan, plan_for
+from taehv_slurm.runtime import network
 from taehv_slurm.runtime.checkpoint import Checkpointer, nonfinite_tensors
 from taehv_slurm.runtime.context import FatalTaskError, RunContext
 from taehv_slurm.runtime.distenv import DistEnv, destroy_distributed, init_distributed
@@ -77,22 +78,28 @@ def run_training(train: Mapping[str, Any], rt: RuntimeSettings, ctx: RunContext 
                     cpus_per_task=rt.cpus_per_task, device=device.type)
     for key, value in plan.nccl_env.items():
         os.environ.setdefault(key, value)
-    init_distributed(env, rt.dist_backend, timeout_s=rt.collective_timeout_s or plan.nccl_timeout_s,
-                     rendezvous_timeout_s=rt.rendezvous_timeout_s,
-                     use_cuda=device.type == "cuda")
+    backend = init_distributed(env, rt.dist_backend, timeout_s=rt.collective_timeout_s or plan.nccl_timeout_s,
+                               rendezvous_timeout_s=rt.rendezvous_timeout_s, use_cuda=device.type == "cuda")
+    net = network.transport(backend, env.world_size, env.num_nodes)
+    if env.rank == 0:
+        log.info("network between the ranks: %s", network.describe(net))
+    if env.local_rank == 0 and (warning := network.warning(net, network.infiniband_devices())):
+        log.warning(warning)
     if device.type == "cuda":  # what NCCL runs with: the plan's settings, the cluster's env and the site's
         nccl = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))]
         log.info("NCCL settings: %s", " ".join(nccl) or "NCCL's defaults")
     try:
-        return Trainer(cfg, plan, env, device, ctx, rt).run()
+        return Trainer(cfg, plan, env, device, ctx, rt, net).run()
     finally:
         destroy_distributed()
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, plan: ScalePlan, env: DistEnv, device: torch.device,
-                 ctx: RunContext, runtime: RuntimeSettings | None = None) -> None:
+                 ctx: RunContext, runtime: RuntimeSettings | None = None,
+                 network: dict[str, Any] | None = None) -> None:
         self.cfg, self.plan, self.env, self.device, self.ctx = cfg, plan, env, device, ctx
+        self.network = network
         self.runtime = runtime or RuntimeSettings()
         self.run_dir = ctx.run_dir
         self.main = env.rank == 0
@@ -176,7 +183,7 @@ class Trainer:
         self.build()
         step = self.resumed_at = self.resume()
         ctx.started(step, config=cfg.to_dict(), engine=plan.engine, effective_batch=plan.effective_batch,
-                    grad_accum=plan.grad_accum)
+                    grad_accum=plan.grad_accum, network=self.network)
         if self.main:
             log.info("plan for %d ranks:\n%s", env.world_size, plan.table())
         tracked = self.main and (cfg.tracking.wandb or cfg.tracking.mlflow)
