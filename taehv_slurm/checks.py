@@ -115,10 +115,10 @@ def snapshot_rows(cluster: ClusterConfig) -> list[Row]:
         return []
     left_out = snapshot.untracked_modules(tree)
     if left_out:
-        more = ", ..." if len(left_out) > 3 else ""
+        named = ", ".join(left_out[:3]) + (", ..." if len(left_out) > 3 else "")
         return [Row("code", "WARN", f"{len(left_out)} Python file(s) of {tree.top} are not tracked by git "
-                                    f"and not in the job's copy of the code ({', '.join(left_out[:3])}{more}): "
-                                    "`git add` them, or --no-snapshot")]
+                                    f"and not in the job's copy of the code ({named}): `git add` them, or "
+                                    "--no-snapshot")]
     return [Row("code", "PASS", f"the job imports a copy of the {len(tree.files)} files git tracks in "
                                 f"{tree.top}, as they are now")]
 
