@@ -158,6 +158,29 @@ def test_a_two_node_run_crosses_hosts_over_sockets_and_nvlink_inside(gpu_cluster
     assert got.get("NCCL_NVLS_ENABLE") == "0"  # the cluster config's env reached the ranks too
 
 
+def test_the_run_and_preflight_say_which_network_nccl_chose_between_the_nodes(gpu_cluster: Testbed,
+                                                                            tmp_path: Path) -> None:
+    """No NCCL_DEBUG of the user's: each attempt records and logs what NCCL chose between the nodes (here,
+    separate hosts of one machine, sockets), and `preflight --job` reports it with the bus bandwidth."""
+    gpus = gpu_cluster.gpus_per_node
+    done = taehv("submit", "--nodes", "2", "--gpus-per-node", str(gpus), *small_shipped_run(4),
+                 *cpus_each(gpu_cluster, gpus), "--set", "engine.compile=false", "--name", "transport",
+                 "--follow", job_dir=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    attempts = (tmp_path / "transport" / "attempts.jsonl").read_text().splitlines()
+    (attempt,) = [json.loads(line) for line in attempts]
+    net = attempt["network"]
+    assert (net["backend"], net["transport"], net["nodes"]) == ("nccl", "Socket", 2), net
+    assert net["devices"] and all(":" in d for d in net["devices"])  # the interface and its address
+    log = (tmp_path / "transport" / "submitit").glob("*_0_log.out")
+    assert "network between the ranks: nccl over Socket (" in "".join(p.read_text() for p in log)
+    checked = taehv("preflight", "--nodes", "2", "--gpus-per-node", str(gpus), "--job",
+                    "--bandwidth-mib", "16", *small_shipped_run(4), *cpus_each(gpu_cluster, gpus),
+                    job_dir=tmp_path)
+    row = next((line for line in checked.stdout.splitlines() if line.startswith("network ")), "")
+    assert re.search(r"nccl over Socket \(.+\); [\d.]+ GB/s bus bandwidth at 16 MiB", row), checked.stdout
+
+
 # ------------------------------------------------------------------------------ faults, from outside
 # Each run: the shipped config made small (synthetic 128×192 clips), checkpoints every 5 steps, a hang floor
 # of 30 s, on both nodes with one GPU each (two such runs fit the 4-GPU host at once).
