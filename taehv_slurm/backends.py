@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from taehv_slurm import followup, jobstates, slurm
+from taehv_slurm.config import ClusterConfig
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.backend import Outcome, RankBackend
 from taehv_slurm.runtime.steps import in_step_loop
@@ -78,6 +79,10 @@ class Backend(RankBackend):
 
     def lock_holder_live(self, holder: dict[str, Any]) -> str | None:
         return describe_live(holder)
+
+    def for_jobs_of(self, cluster: ClusterConfig) -> Backend:
+        """The object that travels in the jobs of `cluster` (with what it needs of the config)."""
+        return self
 
 
 class DirectBackend(Backend):
@@ -141,6 +146,9 @@ class SlurmBackend(Backend):
 
     def __init__(self, requeue: str = "self", job_dir: str | None = None) -> None:
         self.requeue_mode, self.job_dir = requeue, job_dir
+
+    def for_jobs_of(self, cluster: ClusterConfig) -> SlurmBackend:
+        return SlurmBackend(cluster.requeue, os.path.abspath(cluster.job_dir))
 
     def _mode(self) -> str:
         return getattr(self, "requeue_mode", "self")  # a job queued by older code: scontrol requeue

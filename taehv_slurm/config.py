@@ -291,7 +291,7 @@ class ClusterConfig:
             check(not self.container_mounts, source,
                   "container_mounts is set but container_image is not: name the image the ranks run in")
             return
-        check(self.backend == "slurm", source,
+        check(self.backend not in MACHINE_BACKENDS, source,
               f"container_image applies to Slurm jobs; backend '{self.backend}' runs the ranks on this "
               "machine as they are (remove container_image, or use backend: slurm)")
         for mount in self.container_mounts:

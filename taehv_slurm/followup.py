@@ -33,11 +33,11 @@ from taehv_slurm.runtime.backend import Outcome
 MODES = ("auto", "self", "follow_up")
 
 
-def resolve_mode(cluster: ClusterConfig) -> str:
-    """The requeue mode a job of `cluster` is submitted with: `auto` becomes follow_up where the cluster does
-    not requeue jobs (its partition's PreemptMode has CANCEL, or JobRequeue=0), and stays auto (requeue,
-    follow-up if refused) where it does or cannot be asked."""
-    if cluster.requeue != "auto" or cluster.backend != "slurm":
+def resolve_mode(cluster: ClusterConfig, asks_slurm: bool) -> str:
+    """The requeue mode a job of `cluster` is submitted with (`asks_slurm`: its backend is Slurm's): `auto`
+    becomes follow_up where the cluster does not requeue jobs (its partition's PreemptMode has CANCEL, or
+    JobRequeue=0), and stays auto (requeue, follow-up if refused) where it does or cannot be asked."""
+    if cluster.requeue != "auto" or not asks_slurm:
         return cluster.requeue
     config = slurm.show_config()
     if not isinstance(config, dict):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from taehv_slurm import slurm
 from taehv_slurm.checks import Row
 from taehv_slurm.config import ClusterConfig
+from taehv_slurm.followup import partition_preempt_mode
 from taehv_slurm.messages import command
 
 NOT_CHECKED = "not checked here (no Slurm)"
@@ -23,7 +24,7 @@ def slurm_rows(c: ClusterConfig) -> list[Row]:
     part = _partition(c, rows)
     if part is not None:
         _nodes(c, part, rows)
-    _site(rows)
+    _site(c, rows)
     return rows
 
 
@@ -145,7 +146,7 @@ def _resources(c: ClusterConfig, info: dict[str, tuple], usable: dict[str, tuple
     return fits
 
 
-def _site(rows: list[Row]) -> None:
+def _site(c: ClusterConfig, rows: list[Row]) -> None:
     """Accounting (sacct's record of each attempt) and what a preemption does, from the cluster's settings."""
     config = slurm.show_config()
     if not isinstance(config, dict):
@@ -159,13 +160,18 @@ def _site(rows: list[Row]) -> None:
     else:
         rows.append(Row("accounting", "PASS", f"{storage}: sacct keeps each attempt "
                                               f"(`{command('status')} --accounting`, goodput's node-hours)"))
-    preempt = config.get("PreemptMode", "OFF")
-    if "CANCEL" in preempt.upper():
-        rows.append(Row("requeue", "WARN", f"PreemptMode={preempt}: a preemption ends the job here instead "
-                                           "of requeueing it; submit the same --name again to resume from "
-                                           "its last checkpoint"))
-    else:
-        requeue = config.get("JobRequeue", "?")
+    preempt = partition_preempt_mode(c.partition) or config.get("PreemptMode", "OFF")
+    requeue = config.get("JobRequeue", "?")
+    if slurm.site_requeues({**config, "PreemptMode": preempt}) and c.requeue != "follow_up":
         rows.append(Row("requeue", "PASS", f"PreemptMode={preempt}, JobRequeue={requeue}; the job asks "
                                            "--requeue: a preemption or the time limit saves, requeues and "
                                            "resumes"))
+    elif c.requeue == "self":
+        rows.append(Row("requeue", "WARN", f"PreemptMode={preempt}, JobRequeue={requeue}: the cluster ends "
+                                           "a preempted job instead of requeueing it, and requeue: self asks "
+                                           "for no follow-up job; submit the same --name again to resume, or "
+                                           "set requeue: auto"))
+    else:
+        rows.append(Row("requeue", "PASS", f"PreemptMode={preempt}, JobRequeue={requeue}: after a preemption "
+                                           "or the time limit every rank saves and the run goes on as a "
+                                           "follow-up job (docs/failures.md)"))

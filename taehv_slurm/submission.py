@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from taehv_slurm import followup, slurm, snapshot
-from taehv_slurm.backends import SlurmBackend, backend_named, describe_live
+from taehv_slurm.backends import backend_named, describe_live
 from taehv_slurm.config import ClusterConfig, ConfigError
 from taehv_slurm.executor import SubmissionError, describe_sbatch_error, make_executor
 from taehv_slurm.handle import JobHandle
@@ -108,9 +108,9 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig,
     backend = backend_named(cluster.backend)
     if reason := backend.unavailable_reason():
         raise SubmissionError(reason)
-    if isinstance(backend, SlurmBackend):  # how its jobs go on after a preemption: asked of Slurm once, here
-        cluster = dataclasses.replace(cluster, requeue=followup.resolve_mode(cluster))
-        backend = SlurmBackend(cluster.requeue, os.path.abspath(cluster.job_dir))
+    # how its jobs go on after a preemption: asked of Slurm once, here
+    cluster = dataclasses.replace(cluster, requeue=followup.resolve_mode(cluster, backend.asks_a_scheduler))
+    backend = backend.for_jobs_of(cluster)
     given = [run_names[0]] if run_names and len(tasks) == 1 else []  # a sweep's runs are named by its values
     for name in given + ([group_name] if group_name else []):
         check_run_name(name)
