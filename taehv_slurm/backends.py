@@ -212,13 +212,13 @@ class SlurmBackend(Backend):
     def _requeue(self, job_id: str, fields: dict[str, Any], timeout_s: float = 60.0,
                  exclude: Sequence[str] = ()) -> Outcome:
         """`scontrol requeue` (mode self, auto), or the next attempt as a follow-up job (follow_up, and auto
-        where Slurm refused the requeue)."""
+        where the cluster refused the requeue; an unreachable controller fails it as in mode self)."""
         refused = None
         if self._mode() != "follow_up":
             answer = slurm.requeue(job_id, timeout_s=timeout_s, survive_term=True)
             if answer.ok:
                 return Outcome("requeue", {**fields, "by": "self"})
-            if self._mode() == "self":
+            if self._mode() == "self" or not slurm.refuses_requeue(answer.error):
                 return Outcome("requeue_failed", {**fields, "error": f"scontrol requeue: {answer.error}",
                                                   "fix": slurm.requeue_fix(answer.error)})
             refused = f"scontrol requeue: {answer.error}"
@@ -276,7 +276,7 @@ class SlurmBackend(Backend):
         room = slurm.partition_size(info.get("Partition", "")) - size - len(before)
         wanted = [n for n in dict.fromkeys(nodes) if n not in before][: max(0, room)]
         answer = slurm.requeue(job_id, hold=True, survive_term=True)
-        if not answer.ok and self._mode() == "auto":
+        if not answer.ok and self._mode() == "auto" and slurm.refuses_requeue(answer.error):
             return followup.submit(job_id, self.job_dir, {}, nodes, f"scontrol requeuehold: {answer.error}")
         if not answer.ok:
             return Outcome("requeue_failed", {"error": f"scontrol requeuehold: {answer.error}",

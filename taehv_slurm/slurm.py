@@ -295,6 +295,13 @@ def partition_size(partition: str) -> int:
     return sum(int(n) for n in answer.output.split() if n.isdigit()) if answer.ok else 0
 
 
+def refuses_requeue(error: str) -> bool:
+    """Whether Slurm's answer to a requeue is the cluster's policy (requeue disabled or not permitted for
+    this job), not a controller it could not reach."""
+    text = error.lower()
+    return "disabled" in text or "not permitted" in text or "access" in text
+
+
 def requeue_fix(error: str) -> str:
     """What to do when a requeue was refused, from Slurm's answer."""
     text = error.lower()
@@ -303,7 +310,7 @@ def requeue_fix(error: str) -> str:
     if ("unable to contact" in text or "did not answer" in text or "connection" in text
             or "configuration" in text):
         return "the Slurm controller was unreachable from the node; check `scontrol ping` there"
-    if "disabled" in text or "not permitted" in text or "access" in text:
+    if refuses_requeue(text):
         return ("the cluster does not allow this job to be requeued (JobRequeue=0 or --no-requeue); "
                 "ask its admins")
     return "see Slurm's answer above"
