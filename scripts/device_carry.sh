@@ -11,7 +11,7 @@ mkdir -p .whl .slurm-debs
 
 # Not on the GPU image (python3.12, torch 2.11+cu130): our own needs, DeepSpeed's, the teacher's.
 binary=(submitit==1.5.4 av==18.1.0 hjson==3.1.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0
-        typing-inspection==0.4.2 diffusers==0.42.1 importlib-metadata==8.7.0)
+        typing-inspection==0.4.2 diffusers==0.42.1 importlib-metadata==8.7.0 orjson==3.13.0)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "${binary[@]}"
