@@ -25,7 +25,7 @@ from taehv_slurm.machine import gpus_here, visible_gpus
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.bytecode import COMPILE_CACHE_ENV
 from taehv_slurm.runtime.distenv import INHERITED_LAUNCHER_VARS
-from taehv_slurm.runtime.steps import LAUNCH_ENV, RESTART_EXIT_CODE, STEP_LOOP_ENV
+from taehv_slurm.runtime.steps import JOB_ENDING_ENV, LAUNCH_ENV, RESTART_EXIT_CODE, STEP_LOOP_ENV
 from taehv_slurm.slurm import NO_SLURM_HINT, SCONTROL_ENV, says_no_slurm
 from taehv_slurm.submitit_api import convert_mem, make_sbatch_string
 
@@ -56,9 +56,10 @@ def step_loop(python: str, folder: Path, run_dir: Path | None, cluster: ClusterC
                                                           run_dir))
     after = entry_command(python, folder, run_dir, after='"$srun_status"')
     return "\n".join([
-        # A SIGTERM to every process of the job (PreemptMode=CANCEL, scancel --full) must not end the script
-        # before its ranks have saved and said how the run goes on: the job would end, and its ranks with it.
-        "trap : TERM",
+        # A SIGTERM to every process of the job (a requeue, PreemptMode=CANCEL, scancel --full) must not end
+        # the script before its ranks have saved and said how the run goes on: the job would end, and its
+        # ranks with it. It tells the step after them that Slurm is ending the job.
+        f"trap 'export {JOB_ENDING_ENV}=1' TERM",
         f"relay=$({python} -m taehv_slurm.relay start {shlex.quote(str(folder))} $$ "
         f'{cluster.kill_wait_s + RELAY_LINGER_MARGIN_S}) || exit 1; eval "$relay"',
         *container.script_lines(cluster),

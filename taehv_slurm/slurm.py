@@ -171,10 +171,12 @@ def scontrol() -> str | None:
 
 
 def scontrol_missing(host: str) -> str | None:
-    """Why this job could never requeue itself (one line with the fix), or None when scontrol is there."""
-    if scontrol() is not None:
+    """Why this job could never requeue itself (one line with the fix), or None when scontrol is there:
+    inside a job with a relay, the relay's scontrol is asked (where the batch script runs)."""
+    relay = os.environ.get(RELAY_ENV)
+    if (run(["scontrol", "--version"], timeout_s=30).ok if relay else scontrol() is not None):
         return None
-    given = os.environ.get(SCONTROL_ENV)
+    given, host = os.environ.get(SCONTROL_ENV), relay.rsplit(":", 2)[0] if relay else host
     where = f"{SCONTROL_ENV}={given} is not an executable" if given else f"scontrol is not on PATH on {host}"
     return (f"{where} where the job starts, so it could never requeue itself: "
             "put Slurm's bin folder on PATH for "
@@ -464,8 +466,7 @@ def sacct_records(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELD
 
 
 def sacct_columns(fields: Sequence[str] = SACCT_FIELDS) -> list[str]:
-    """The columns of `sacct_records(job_id, fields)`: JobID, State, the other fields, Attempt and, where
-    Elapsed is asked for, ElapsedSeconds."""
+    """The columns of `sacct_records(job_id, fields)`: JobID, State, the others, Attempt[, ElapsedSeconds]."""
     asked = _asked(fields)
     return [*asked, "Attempt", *(["ElapsedSeconds"] if "Elapsed" in asked else [])]
 
@@ -476,9 +477,8 @@ def _asked(fields: Sequence[str]) -> list[str]:
 
 def sacct_frame(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS,
                 records: Sequence[Mapping[str, Any]] | None = None) -> pd.DataFrame:
-    """sacct output as a DataFrame (empty when accounting is unavailable): `sacct_records`, or the
-    `records` given (read before). `attrs['requeues']` counts the REQUEUED allocation records of `job_id`
-    (of every job without one)."""
+    """sacct output as a DataFrame (empty without accounting): `sacct_records`, or the `records` given.
+    `attrs['requeues']` counts the REQUEUED allocation records of `job_id` (of every job without one)."""
     import pandas as pd
 
     records = sacct_records(job_id, fields) if records is None else records

@@ -31,7 +31,7 @@ import taehv_slurm
 from taehv_slurm.backends import backend_named
 from taehv_slurm.config import ClusterConfig, ConfigError
 from taehv_slurm.runtime.provenance import SNAPSHOT_FILE, code_state
-from taehv_slurm.security import make_private_dir
+from taehv_slurm.security import make_private_dir, private_umask
 
 SNAPSHOT_DIR = "code"
 SNAPSHOT_LIMIT_BYTES = 512 << 20  # tracked files beyond this are a data set in git, not code to copy
@@ -94,15 +94,19 @@ def make(tree: Tree, job_dir: str | os.PathLike, group: str | None = None) -> Pa
         make_private_dir(target.parent, group)
         staging = Path(tempfile.mkdtemp(prefix=".copy-", dir=target.parent))
         try:
-            for name in tree.files:
-                source, dest = tree.top / name, staging / name
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                if source.is_symlink():
-                    os.symlink(os.readlink(source), dest)
-                else:
-                    shutil.copy2(source, dest)
-            state = code_state(tree.top)
-            (staging / SNAPSHOT_FILE).write_text(json.dumps({**state, "digest": tree.digest}) + "\n")
+            # private as the rest of the run folders (docs/security.md): files 0600 and folders 0700, or
+            # group-readable with `group`; no exec bits (the job runs its Python with `python -m`)
+            make_private_dir(staging, group)
+            with private_umask(group):
+                for name in tree.files:
+                    source, dest = tree.top / name, staging / name
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    if source.is_symlink():
+                        os.symlink(os.readlink(source), dest)
+                    else:
+                        shutil.copyfile(source, dest)
+                state = code_state(tree.top)
+                (staging / SNAPSHOT_FILE).write_text(json.dumps({**state, "digest": tree.digest}) + "\n")
             os.rename(staging, target)
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)

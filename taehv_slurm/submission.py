@@ -155,6 +155,8 @@ def _submit_to_executor(tasks: Sequence[Callable[..., Any]], run_dirs: list[Path
     base = Path(cluster.job_dir)
     owner = run_dirs[0] if len(tasks) == 1 else run_dirs[0].parent
     created = [p for p in dict.fromkeys((base, owner, *run_dirs)) if not p.exists()]  # outermost first
+    copies = base / snapshot.SNAPSHOT_DIR  # the code copies: one made now goes too (another job's stays)
+    copied_before = set(copies.iterdir()) if copies.is_dir() else set()
     try:
         for path in dict.fromkeys((base, owner, *run_dirs, owner / "submitit")):
             make_private_dir(path, cluster.group)
@@ -172,7 +174,8 @@ def _submit_to_executor(tasks: Sequence[Callable[..., Any]], run_dirs: list[Path
               contextlib.redirect_stderr(io.StringIO())):
             jobs = [executor.submit(tasks[0])] if len(tasks) == 1 else executor.submit_array(list(tasks))
     except BaseException as err:
-        for path in reversed(created):
+        made = set(copies.iterdir()) - copied_before if copies.is_dir() else set()
+        for path in [*reversed(created), *made, *([copies] if made and not copied_before else [])]:
             shutil.rmtree(path, ignore_errors=True)
         if isinstance(err, FailedJobError):  # sbatch exited non-zero
             raise SubmissionError(describe_sbatch_error(str(err))) from None

@@ -12,6 +12,7 @@ import pytest
 import submitit
 import yaml
 
+from taehv_slurm import snapshot
 from taehv_slurm.backends import SlurmBackend
 from taehv_slurm.changes import flatten
 from taehv_slurm.checks import submit_checks
@@ -175,7 +176,9 @@ PROBE = {
     "dist_backend": "gloo", "rendezvous_timeout_s": 99, "collective_timeout_s": 1234, "torch_threads": 5,
     "gpu_memory_gb": 40, "group": "taehvgroup", "check_data_on_submit": False, "data_check_budget_s": 0.0,
     "compile_cache_dir": "/shared/alice/cache", "restart_in_allocation": False, "spare_nodes": 1,
-    "min_nodes": 2,
+    "min_nodes": 2, "container_image": "/shared/images/torch.sif", "container_runtime": "apptainer",
+    "container_mounts": ["/shared:/shared"], "container_python": "/usr/bin/python3.11",
+    "requeue": "follow_up", "code_snapshot": False,
 }
 
 
@@ -211,7 +214,8 @@ def _in_sbatch_environ(s: Seen, name: str) -> bool:
         return os.environ.get(name) == PROBE["env"][name]
 
 
-ONE_MACHINE = {"nodes": 1, "min_nodes": None, "spare_nodes": 0}  # what the local and debug backends take
+ONE_MACHINE = {"nodes": 1, "min_nodes": None, "spare_nodes": 0,  # what the local and debug backends take
+               "container_image": None, "container_mounts": []}
 
 REACHES = {
     "name": lambda s: "#SBATCH --job-name=tv" in s.script,
@@ -258,7 +262,23 @@ REACHES = {
     "array_parallelism": lambda s: "#SBATCH --array=0-2%2" in s.script,
     "job_dir": lambda s: ("export TAEHV_COMPILE_CACHE=/shared/alice/runs/compile-cache"
                           in s.variant(compile_cache_dir=None).script),
-    "python": lambda s: s.script.count("/opt/py/bin/python3 -u -m taehv_slurm.runtime.entry") == 2,
+    # the batch script's own steps, outside the image (the ranks' interpreter is the image's)
+    "python": lambda s: ("/opt/py/bin/python3 -m taehv_slurm.relay start" in s.script
+                         and s.script.count("/opt/py/bin/python3 -u -m taehv_slurm.runtime.entry") == 1
+                         and s.variant(container_image=None, container_mounts=[]).script.count(
+                             "/opt/py/bin/python3 -u -m taehv_slurm.runtime.entry") == 2),
+    "container_image": lambda s: (" /shared/images/torch.sif /usr/bin/python3.11 " in s.script
+                                  and s.rows["container"].result == "FAIL"),  # no such image here
+    "container_runtime": lambda s: ("srun --unbuffered" in s.script and " apptainer exec --nv " in s.script
+                                    and "--container-image=/shared/images/torch.sif" in
+                                    s.variant(container_runtime="pyxis").script),
+    "container_mounts": lambda s: " --bind /shared:/shared " in s.script,
+    "container_python": lambda s: "/usr/bin/python3.11 -u -m taehv_slurm.runtime.entry" in s.script,
+    "requeue": lambda s: ("#SBATCH --no-requeue" in s.script
+                          and "#SBATCH --requeue" in s.variant(requeue="auto").script),
+    "code_snapshot": lambda s: (snapshot.job_env(s.cfg, copy=False) == {}
+                                and "PYTHONPATH" in snapshot.job_env(s.variant(code_snapshot=True).cfg,
+                                                                     copy=False)),
     "device": lambda s: s.runtime.device == "cpu",
     "dist_backend": lambda s: s.runtime.dist_backend == "gloo",
     "rendezvous_timeout_s": lambda s: s.runtime.rendezvous_timeout_s == 99,

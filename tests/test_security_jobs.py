@@ -321,9 +321,11 @@ def named_by(pattern: str, path: Path, run: Run) -> bool:
     """Whether a pattern of the table names `path` (a job folder's file or folder)."""
     if pattern in ("job_dir", "<run>/"):
         return path == (run.job_dir if pattern == "job_dir" else Path(run.handle.run_dir))
-    if pattern.endswith("/"):
-        return path.is_dir() and fnmatch.fnmatch(path.name, pattern[:-1])
-    wildcard = pattern.replace("<rank>", "*")
+    wildcard = pattern.replace("<rank>", "*").replace("<digest>", "*")
+    if pattern.endswith("/"):  # a folder: by its name, or by its path (`code/<digest>/`: the copy's folders)
+        inside = "/" in pattern[:-1]
+        named = path.relative_to(run.job_dir).as_posix() if inside else path.name
+        return path.is_dir() and fnmatch.fnmatch(named, ("*" if inside else "") + wildcard[:-1])
     if "/" in wildcard:
         return path.is_file() and fnmatch.fnmatch(path.relative_to(run.job_dir).as_posix(), f"*{wildcard}")
     return path.is_file() and fnmatch.fnmatch(path.name, wildcard if "*" in wildcard else f"*{wildcard}")

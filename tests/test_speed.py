@@ -42,7 +42,8 @@ def test_the_compile_cache_is_the_job_folders_unless_the_user_chose_one(tmp_path
     assert got["env"] == got["chosen"] and Path(got["chosen"]).parent == tmp_path / "compile-cache"
     assert Path(got["chosen"]).name.startswith(key.split("+")[0]) and Path(got["chosen"]).is_dir()
     # the custom ops' code too: their backward formulas are not in torch's cache keys
-    ops = b"".join((REPO / "taehv_slurm/trainer" / f).read_bytes() for f in ("layers.py", "rgb_head.py"))
+    ops = b"".join((REPO / "taehv_slurm/trainer" / f).read_bytes() for f in ("layers.py", "rgb_head.py",
+                                                                            "first_conv.py"))
     assert Path(got["chosen"]).name.endswith(f"-ops-{hashlib.sha256(ops).hexdigest()[:12]}")
     # one of the user's own stays, and nothing is created in the job folder
     mine = probe(tmp_path / "other-cache", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "mine"))

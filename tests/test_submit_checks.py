@@ -260,14 +260,17 @@ def test_a_damaged_registry_beside_a_live_job(tmp_path: Path) -> None:
             f.write(b'{"event": "submitted", "job_id": "9')  # cut short by a kill mid-write
         status = cli("jobs.status", "--job-dir", str(job_dir))
         assert status.returncode == 0
-        assert status.stderr.strip() == documented("damaged-registry", tmp_path)
+        # the last line, without its end, may be a record still being written: not judged yet
+        assert status.stderr.strip() == documented("damaged-registry", tmp_path).replace(
+            "3 damaged line(s) (line 2, 3, 4:", "2 damaged line(s) (line 2, 3:").replace("other 2", "other 1")
         (row,) = status.stdout.splitlines()[1:]
         assert row.split()[1:3] == ["live", "RUNNING"]
-        # the next record starts on a line of its own, after the cut one
+        # the next record starts on a line of its own, after the cut one, which now counts as damaged
         done = local(job_dir, *SHORT, "--name", "after")
         assert done.returncode == 0, done.stderr
-        rows = cli("jobs.status", "--job-dir", str(job_dir)).stdout.splitlines()[1:]
-        assert [r.split()[1] for r in rows] == ["live", "after"]
+        status = cli("jobs.status", "--job-dir", str(job_dir))
+        assert status.stderr.strip() == documented("damaged-registry", tmp_path)
+        assert [r.split()[1] for r in status.stdout.splitlines()[1:]] == ["live", "after"]
     finally:  # cancelled by id: a Ctrl-C (SIGINT) is lost where the tests run with it ignored (nohup, CI)
         cli("jobs.cancel", "live", "--job-dir", str(job_dir))
         live.wait(120)

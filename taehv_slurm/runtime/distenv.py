@@ -31,7 +31,7 @@ LAUNCHER_MARK = "TAEHV_LAUNCHER"
 INHERITED_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
                            "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                            LAUNCHER_MARK, "TAEHV_JOB_ID", "TAEHV_RESTART_COUNT", "TAEHV_LAUNCH",
-                           "TAEHV_STEP_LOOP", "TAEHV_SLURM_RELAY")
+                           "TAEHV_STEP_LOOP", "TAEHV_SLURM_RELAY", "TAEHV_JOB_ENDING")
 
 Source = Literal["slurm", "torchrun", "platform", "local", "single"]
 

@@ -32,6 +32,7 @@ from taehv_slurm.runtime.ranks import killed_ranks, read_ranks
 from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.runtime.steps import (
     FOLLOW_UP_EXIT_CODE,
+    JOB_ENDING_ENV,
     RESTART_EXIT_CODE,
     allocation_nodes,
     handed_over,
@@ -57,6 +58,8 @@ def after_step(task: RequeueableTask, status: int, last_error: str) -> int:
     window = [e for e in history if e.get("job_id") == job_id and e.get("time", 0) >= since]
     if handed_over(window):
         return FOLLOW_UP_EXIT_CODE
+    if os.environ.get(JOB_ENDING_ENV) == "1":
+        return status  # Slurm is ending the job (its SIGTERM reached the script): the ranks' records stand
     if any(e["event"] in (*JOB_ENDS, "finished") for e in window):
         return status  # the ranks settled it with Slurm (a preemption, the time limit, a cancel), or finished
     if status == 0 and not any(e["event"] == "step_ended" for e in window):

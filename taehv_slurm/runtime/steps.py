@@ -26,6 +26,9 @@ from taehv_slurm.runtime.distenv import expand_nodelist, slurm_job_id
 
 LAUNCH_ENV = "TAEHV_LAUNCH"  # 0 for the allocation's first step, +1 for each restart inside it
 STEP_LOOP_ENV = "TAEHV_STEP_LOOP"  # set by a batch script that restarts steps: the ranks leave that to it
+# set by the batch script once Slurm sent it SIGTERM: Slurm is ending the job (a requeue, a preemption, a
+# cancel), so nothing is restarted in an allocation that is going away
+JOB_ENDING_ENV = "TAEHV_JOB_ENDING"
 RESTART_EXIT_CODE = 75  # `entry --after`'s answer: start the ranks again (EX_TEMPFAIL)
 # The job's exit status once its next attempt is a follow-up job (taehv_slurm.followup): not 0, so that the
 # follow-up's afternotok dependency holds; sacct shows the job FAILED with this code.

@@ -81,7 +81,7 @@ def run_training(train: Mapping[str, Any], rt: RuntimeSettings, ctx: RunContext 
     backend = init_distributed(env, rt.dist_backend, timeout_s=rt.collective_timeout_s or plan.nccl_timeout_s,
                                rendezvous_timeout_s=rt.rendezvous_timeout_s, use_cuda=device.type == "cuda")
     net = network.transport(backend, env.world_size, env.num_nodes)
-    if env.rank == 0:
+    if env.rank == 0 and env.num_nodes > 1:  # within one node the attempt's record is enough
         log.info("network between the ranks: %s", network.describe(net))
     if env.local_rank == 0 and (warning := network.warning(net, network.infiniband_devices())):
         log.warning(warning)
