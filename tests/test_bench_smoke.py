@@ -109,11 +109,13 @@ def test_requeue_signal_smoke(tmp_path: Path) -> None:
 
 
 def test_slow_rank_faults_smoke(tmp_path: Path) -> None:
-    # 2 CPU ranks, the last one's process stopped 0.4 s of every 0.6 s from outside for 15 s: named host.
-    # 16-step log windows (0.8 s on an idle 2-core machine, longer under load) each hold a stopped spell: with
-    # 2-step ones the windows between spells were on time, and no 3 late ones came in a row on an idle machine
+    # 2 CPU ranks, the last one's process stopped 0.4 s of every 0.6 s from outside for 30 s: named host.
+    # 16-step log windows (0.8 s on an idle 2-core machine, up to 4 s beside the rest of the suite) each hold
+    # a stopped spell, and 30 s hold 7 of them under that load: with 2-step windows those between the spells
+    # were on time, and no 3 late ones came in a row on an idle machine
     _, result = run_smoke("slow_rank_faults.py", tmp_path / "faults.json", 600, "--faults", "host",
-                          "--log-every", "16", "--fault-step", "48", "--work", str(tmp_path / "work"))
+                          "--log-every", "16", "--fault-step", "48", "--fault-s", "30",
+                          "--work", str(tmp_path / "work"))
     (row,) = result["rows"]
     assert (row["fault"], row["named_rank"], row["named_cause"]) == ("host", 1, "host"), row
     assert row["lost_s_per_step"] > 0 and row["clips_per_s_during"] < row["clips_per_s_before"], row

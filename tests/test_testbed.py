@@ -50,8 +50,10 @@ def test_sinfo_lists_every_node_idle_with_8_gpus_and_16_cpus(slurm_cluster: Test
         # A trailing '-' means the backfill scheduler has planned the node for another test's pending job;
         # that is a healthy node. Other suffixes ('*' not responding, '~' powered off, ...) stay and fail.
         rows = {f[0]: [f[1].removesuffix("-"), *f[2:]] for f in (line.split("|") for line in out.split())}
-        # A node may still run another test's job: then it is allocated, not idle; otherwise idle.
-        settled = all((state == "idle") == (cpus.split("/")[0] == "0") for state, _, _, cpus in rows.values())
+        # A node may still run another test's job: then it is allocated, not idle; otherwise idle. A job
+        # ending there (COMPLETING, 'comp') is waited out.
+        settled = all((state == "idle") == (cpus.split("/")[0] == "0") and state != "comp"
+                      for state, _, _, cpus in rows.values())
         return rows if settled else None
 
     rows = wait_for(nodes, 30, "every node without jobs to be idle")
