@@ -63,7 +63,7 @@ if want gpu_tests; then  # pytest -m gpu whole, from an empty compile cache (a f
   file="$out/gpu_tests_$(tag 1).txt"; cache=$(mktemp -d /tmp/taehv-gpu-tests-XXXX)
   { echo "# python3 -m pytest -o addopts= -m gpu -q -rA --durations=0 -p no:cacheprovider (bash bench/run_gpu_benchmarks.sh gpu_tests)"
     echo "# $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1); $(python3 -c 'import torch; print("torch", torch.__version__)')"
-    echo "# code: $(git rev-parse --short HEAD)$([[ -n $(git status --porcelain --untracked-files=no) ]] && echo ' with uncommitted changes'); one compile cache for the session, empty at its start"
+    echo "# code: $(git rev-parse --short HEAD)$([[ -n $(git status --porcelain --untracked-files=no) ]] && echo ' with uncommitted changes'); one compile cache for the whole run, empty at its start"
   } > "$file"
   began=$(date +%s.%N)
   TORCHINDUCTOR_CACHE_DIR=$cache/inductor timeout "${LIMIT:-590}" python3 -m pytest -o addopts= -m gpu -q -rA \
