@@ -1,7 +1,8 @@
 """The rank the others wait for is named, with its cause (real Slurm testbed, CPU, gloo; each fault inflicted
 from outside the job, on rank 1 of a job of 2 ranks, as a slow node would):
 
-- `host`: the rank's process stopped 0.4 s of every 0.6 s (SIGSTOP/SIGCONT: a throttled or starved host) →
+- `host`: the rank's process stopped 0.6 s of every 0.7 s (SIGSTOP/SIGCONT: a throttled or starved host;
+  its running spells shorter than a window's work, so that every window holds a stop) →
   named with cause host after 3 late log windows in a row: within 4 windows of the fault's start (the one
   in progress when it begins is the first, late or not; docs/failures.md says the same); the
   run goes on (report only); `taehv status` notes the share of the step time it cost, and
@@ -87,7 +88,7 @@ def timed_rows(handle: JobHandle) -> list[dict[str, Any]]:
 
 
 def named_after(handle: JobHandle, inflict: Callable[[int], contextlib.AbstractContextManager],
-                what: str) -> tuple[dict[str, Any], int]:
+                what: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Inflict the fault on rank 1 once it trains, until it is named: (the slow_rank event, log windows from
     the fault's start to its naming, the one in progress at the start counted)."""
     # past the warm-up, whose steps are not judged
@@ -99,7 +100,14 @@ def named_after(handle: JobHandle, inflict: Callable[[int], contextlib.AbstractC
     named_at = min(r["step"] for r in timed_rows(handle) if r.get("slow_ranks"))
     # the windows that ended after the fault began (on a loaded machine reading the last step first took
     # 5 s: 9 windows were counted from it, 4 from the fault)
-    return slow, len([r for r in timed_rows(handle) if r["time"] > began and r["step"] <= named_at])
+    return slow, [r for r in timed_rows(handle) if r["time"] > began and r["step"] <= named_at]
+
+
+def judged(windows: list[dict[str, Any]]) -> list[tuple]:
+    """Each window's verdict, for an assertion's message: (step, late rank, late, its lateness, the
+    others' time to arrive)."""
+    return [(r["step"], r["late_rank"], r["late"], round(r["late_s"], 3), round(r["arrive_s"], 3))
+            for r in windows]
 
 
 @contextlib.contextmanager
@@ -121,10 +129,13 @@ def test_a_rank_with_more_compute_is_named_with_cause_compute(jobs: Jobs) -> Non
 
 def test_a_throttled_host_is_named_with_cause_host_within_three_windows(jobs: Jobs) -> None:
     handle = jobs.host
-    slow, windows = named_after(handle, lambda pid: slowed_down(pid, 0.4, 0.2), "throttled host")
+    # Each running spell is shorter than the rank's own work of one window (2 steps, over 0.1 s even alone
+    # on a core): no window falls between two stops. With 0.2 s spells, a window fitted inside one at
+    # times, was on time, and under the suite's load the streak of 3 took 8 windows.
+    slow, windows = named_after(handle, lambda pid: slowed_down(pid, 0.6, 0.1), "throttled host")
     host = rank_record(handle, 1)["host"]
     assert (slow["rank"], slow["host"], slow["cause"]) == (1, host, "host"), slow
-    assert windows <= WINDOWS + 1, windows
+    assert len(windows) <= WINDOWS + 1, judged(windows)
     assert slow["detail"].startswith(f"rank 1 on {host}: the others wait ")
     assert slow["lost_s"] > 0 and "cause host: its process was off the CPU" in slow["detail"]
     frame = handle.metrics()  # every window's figures, as pandas columns
@@ -145,7 +156,8 @@ def test_a_slow_loader_is_named_with_cause_data(jobs: Jobs) -> None:
     handle = jobs.data
     slow, windows = named_after(handle, slow_loader, "slow loader")
     assert (slow["rank"], slow["cause"]) == (1, "data"), slow
-    assert "cause data: it waits " in slow["detail"] and windows <= WINDOWS + 1, windows
+    assert "cause data: it waits " in slow["detail"], slow
+    assert len(windows) <= WINDOWS + 1, judged(windows)
     handle.cancel()
 
 
