@@ -96,7 +96,8 @@ def test_notebook_runs_on_the_testbed(tmp_path: Path) -> None:
     assert logged == [1, *range(2, 41, 2)] and record["logged_lines"] == len(logged)  # each step once
     assert [a["state"].split()[0] for a in record["attempts"]] == ["CANCELLED", "COMPLETED"]
     assert all(a["max_rss_gb"] > 0.05 for a in record["attempts"]), record["attempts"]  # sacct's, per job
-    exported = work / "taehv.safetensors"
+    exported = work / "runs/tiny-demo/tiny-demo.safetensors"  # in the run folder, not the user's
+    assert sorted(p.name for p in work.iterdir()) == ["cluster.yaml", "runs", "train.yaml", "videos"]
     assert record["export"]["step"] == 40
     assert record["export"]["sha256"] == hashlib.sha256(exported.read_bytes()).hexdigest()
 

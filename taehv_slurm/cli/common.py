@@ -14,7 +14,6 @@ import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from taehv_slurm.config import ClusterConfig, load_cluster
 
@@ -31,16 +30,6 @@ def default_job_dir() -> str:
 def add_job_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job-dir", default=default_job_dir(),
                    help="the cluster config's job_dir (default $TAEHV_JOB_DIR or runs)")
-
-
-def export_path(source: Path) -> Path:
-    """Where `taehv export` writes by default: `<run>/<run>.safetensors` inside the run folder of `source`
-    (a run folder, its checkpoints/, a step_N folder or its state.pt), which is under job_dir, never beside
-    the user's files (nor in a checkout, where git would show it)."""
-    run = source.parent if source.name == "state.pt" else source
-    run = run.parent if run.name.startswith("step_") else run
-    run = run.parent if run.name == "checkpoints" else run
-    return run / f"{run.resolve().name}.safetensors"
 
 
 SHORTCUTS = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "partition": "--partition",

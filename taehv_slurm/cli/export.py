@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from taehv_slurm.cli.common import add_job_dir, export_path, one_line_errors
+from taehv_slurm.cli.common import add_job_dir, one_line_errors
 from taehv_slurm.messages import command
 from taehv_slurm.trainer.export import DTYPES, ExportError, export_weights
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     if not source.exists() and (Path(args.job_dir) / args.source).exists():
         source = Path(args.job_dir) / args.source  # a run name, e.g. `run1` or `lr-sweep/lr=0.0001`
     try:
-        done = export_weights(source, args.out or export_path(source), args.dtype)
+        done = export_weights(source, args.out, args.dtype)
     except ExportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -253,3 +253,13 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def export_path(source: Path) -> Path:
+    """Where an export writes by default (`taehv export`, `export_weights`): `<run>/<run>.safetensors` inside
+    the run folder of `source` (a run folder, its checkpoints/, a step_N folder or its state.pt), which is
+    under job_dir, never beside the user's files (nor in a checkout, where git would show it)."""
+    run = source.parent if source.name == "state.pt" else source
+    run = run.parent if run.name.startswith("step_") else run
+    run = run.parent if run.name == "checkpoints" else run
+    return run / f"{run.resolve().name}.safetensors"

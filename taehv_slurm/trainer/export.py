@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from taehv_slurm.runtime.checkpoint import Checkpointer, nonfinite_tensors
-from taehv_slurm.runtime.runfiles import write_text_atomic
+from taehv_slurm.runtime.runfiles import export_path, write_text_atomic
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -84,9 +84,11 @@ def published_state_dict(params: dict[str, torch.Tensor], model_fields: dict[str
     return {name: params[name].detach().to(dtype).contiguous() for name in expected}
 
 
-def export_weights(source: str | os.PathLike, out: str | os.PathLike, dtype: str = "fp16") -> Exported:
-    """Write the student of `source`'s checkpoint to `out` (.pth or .safetensors) and `<out>.json`."""
-    out = Path(out)
+def export_weights(source: str | os.PathLike, out: str | os.PathLike | None = None,
+                   dtype: str = "fp16") -> Exported:
+    """Write the student of `source`'s checkpoint to `out` (.pth or .safetensors; default
+    `<run>/<run>.safetensors` in its run folder) and `<out>.json`."""
+    out = Path(out) if out else export_path(Path(source))
     if out.suffix not in FORMATS:
         raise ExportError(f"--out {out}: name the file .pth (torch) or .safetensors")
     if dtype not in DTYPES:
