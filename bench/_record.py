@@ -29,7 +29,7 @@ SHIPPED_TRAIN = RESULTS.parents[1] / "configs" / "train" / "taehv.yaml"
 
 def add_clip_shape(parser: argparse.ArgumentParser) -> None:
     """--frames, --height, --width of the student's clips; by default configs/train/taehv.yaml's."""
-    from taehv_slurm.config import load_train
+    from taehv_slurm.common.config import load_train
 
     data = load_train(SHIPPED_TRAIN).data
     parser.add_argument("--frames", type=int, default=data.frames)

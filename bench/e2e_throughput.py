@@ -43,9 +43,9 @@ sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
 from bench.prepare_throughput import write_h264  # noqa: E402
-from taehv_slurm.config import load_train  # noqa: E402
+from taehv_slurm.common.config import load_train  # noqa: E402
+from taehv_slurm.common.plan import plan_for  # noqa: E402
 from taehv_slurm.goodput import goodput_frame  # noqa: E402
-from taehv_slurm.plan import plan_for  # noqa: E402
 from taehv_slurm.trainer.data import ClipSpec, SyntheticClips  # noqa: E402
 
 SHIPPED = REPO / "configs/train/taehv.yaml"

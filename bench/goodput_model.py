@@ -2,7 +2,7 @@
 4096 GPUs under Llama 3's failure rate, from the figures measured here, with a fault answered by a requeue
 (the job waits in the queue again) or by a restart inside the allocation the job holds (spare nodes), and
 the checkpoint interval the plan uses at each size (`intervals.ckpt_every: auto`,
-taehv_slurm.plan.checkpoint_interval_s).
+taehv_slurm.common.plan.checkpoint_interval_s).
 
     python bench/goodput_model.py [--save-s 0.5] [--queue-wait-s 1800] [--requeue-s 20] [--restart-s 10]
                                   [--first-step-s 20] [--detect-s 65] [--spare-nodes 1]
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import RESULTS, code_version, result_name  # noqa: E402
-from taehv_slurm.plan import GPU_SECONDS_PER_INTERRUPTION, checkpoint_interval_s  # noqa: E402
+from taehv_slurm.common.plan import GPU_SECONDS_PER_INTERRUPTION, checkpoint_interval_s  # noqa: E402
 
 SIZES = (64, 512, 4096)
 GPUS_PER_NODE = 8

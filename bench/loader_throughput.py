@@ -5,8 +5,8 @@ synthetic clips (rendered with numpy).
     python bench/loader_throughput.py [--workers 1,2,4,8] [--seconds 8]
     python bench/loader_throughput.py --smoke      # CPU, tiny: checks the script runs
 
-Clips/s per worker at 8 workers sets `CLIPS_PER_WORKER` in taehv_slurm/plan.py (the plan gives each rank
-enough workers to deliver the trainer's TRAIN_CLIPS_PER_GPU).
+Clips/s per worker at 8 workers sets `CLIPS_PER_WORKER` in taehv_slurm/common/plan.py (the plan gives each
+rank enough workers to deliver the trainer's TRAIN_CLIPS_PER_GPU).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._record import run_info, write_results  # noqa: E402
 from bench.e2e_throughput import local_cluster, prepare_data  # noqa: E402
-from taehv_slurm.plan import TRAIN_CLIPS_PER_GPU  # noqa: E402
+from taehv_slurm.common.plan import TRAIN_CLIPS_PER_GPU  # noqa: E402
 from taehv_slurm.trainer.data import ClipSpec, GlobalOrder, SyntheticClips, VideoFolderClips, microbatches  # noqa: E402
 from taehv_slurm.trainer.prepared import PreparedClips  # noqa: E402
 

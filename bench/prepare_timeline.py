@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._record import run_info, write_results  # noqa: E402
-from taehv_slurm.config import load_cluster  # noqa: E402
+from taehv_slurm.common.config import load_cluster  # noqa: E402
 from taehv_slurm.trainer import prepare  # noqa: E402
 from taehv_slurm.trainer.shards import SHARD_DIR  # noqa: E402
 from taehv_slurm.trainer.teacher import Teacher  # noqa: E402

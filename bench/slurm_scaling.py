@@ -35,9 +35,9 @@ sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
 from bench.e2e_throughput import make_teacher, make_videos, prepare_figures, steady  # noqa: E402
-from taehv_slurm.config import load_cluster, load_train, split_overrides  # noqa: E402
-from taehv_slurm.plan import plan_for_cluster  # noqa: E402
-from taehv_slurm.typed_yaml import parse_set_args  # noqa: E402
+from taehv_slurm.common.config import load_cluster, load_train, split_overrides  # noqa: E402
+from taehv_slurm.common.plan import plan_for_cluster  # noqa: E402
+from taehv_slurm.common.typed_yaml import parse_set_args  # noqa: E402
 
 SHIPPED = REPO / "configs/train/taehv.yaml"
 # The tiny clips and model of --smoke (the CPU testbed): the same path, seconds instead of minutes.

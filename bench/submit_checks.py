@@ -6,8 +6,8 @@ folder of 10 000 video files, with the data check and without it (`--skip-data-c
 The folder holds hard links to one short video (a real directory of 10 000 entries, one file's bytes).
 End to end: the whole CLI (its imports, configs, plan, checks and the printed table), best of
 `--repeats`. Beside it, labelled as isolated: listing the folder alone
-(taehv_slurm.trainer.checks.list_videos), and the data check's own process
-(`python -m taehv_slurm.trainer.checks`).
+(taehv_slurm.trainer.data_checks.list_videos), and the data check's own process
+(`python -m taehv_slurm.trainer.data_checks`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
-from taehv_slurm.config import load_train  # noqa: E402
-from taehv_slurm.trainer.checks import list_videos  # noqa: E402
+from taehv_slurm.common.config import load_train  # noqa: E402
+from taehv_slurm.trainer.data_checks import list_videos  # noqa: E402
 from tests.videos import write_video  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             files, complete = list_videos(folder, time.monotonic() + 60)
             results["listing_s"].append(time.perf_counter() - start)
             assert complete and len(files) == args.files
-            seconds, done = timed([sys.executable, "-m", "taehv_slurm.trainer.checks"], request)
+            seconds, done = timed([sys.executable, "-m", "taehv_slurm.trainer.data_checks"], request)
             results["data_check_process_s"].append(seconds)
     best = {key: round(min(values), 3) for key, values in results.items()}
     payload = {**run_info(False, files=args.files, repeats=args.repeats), "best": best, "all": results,

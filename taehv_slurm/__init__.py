@@ -14,6 +14,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from taehv_slurm.common import moved
+
+moved.install()  # the old names of moved modules, for users' imports and jobs pickled before the move
+
 _EXPORTS = {
     "Checkpointer": "runtime.checkpoint",
     "ClusterConfig": "config", "ConfigError": "config", "TrainConfig": "config", "load_cluster": "config",
@@ -29,17 +33,17 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # the same names, for type checkers and IDEs (`X as X` marks a re-export)
-    from taehv_slurm.config import ClusterConfig as ClusterConfig
-    from taehv_slurm.config import ConfigError as ConfigError
-    from taehv_slurm.config import TrainConfig as TrainConfig
-    from taehv_slurm.config import load_cluster as load_cluster
-    from taehv_slurm.config import load_train as load_train
+    from taehv_slurm.common.config import ClusterConfig as ClusterConfig
+    from taehv_slurm.common.config import ConfigError as ConfigError
+    from taehv_slurm.common.config import TrainConfig as TrainConfig
+    from taehv_slurm.common.config import load_cluster as load_cluster
+    from taehv_slurm.common.config import load_train as load_train
+    from taehv_slurm.common.plan import ScalePlan as ScalePlan
+    from taehv_slurm.common.plan import plan_for as plan_for
+    from taehv_slurm.common.plan import plan_for_cluster as plan_for_cluster
     from taehv_slurm.executor import make_executor as make_executor
     from taehv_slurm.executor import sbatch_preview as sbatch_preview
     from taehv_slurm.handle import JobHandle as JobHandle
-    from taehv_slurm.plan import ScalePlan as ScalePlan
-    from taehv_slurm.plan import plan_for as plan_for
-    from taehv_slurm.plan import plan_for_cluster as plan_for_cluster
     from taehv_slurm.reports import plot_metrics as plot_metrics
     from taehv_slurm.runs import accounting_frame as accounting_frame
     from taehv_slurm.runs import runs_frame as runs_frame

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from taehv_slurm import followup, jobstates, slurm
-from taehv_slurm.config import ClusterConfig
+from taehv_slurm.common.config import ClusterConfig
 from taehv_slurm.runtime import controller
-from taehv_slurm.runtime.backend import Outcome, RankBackend
+from taehv_slurm.runtime.rank_backend import Outcome, RankBackend
 from taehv_slurm.runtime.steps import in_step_loop
 
 SETTLE_TIMEOUT_CAP_S = 15.0  # one scontrol question may take at most this (an unreachable controller hangs)

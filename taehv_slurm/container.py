@@ -22,7 +22,7 @@ import re
 import shlex
 from pathlib import Path
 
-from taehv_slurm.config import ClusterConfig
+from taehv_slurm.common.config import ClusterConfig
 
 RUNTIMES = ("pyxis", "apptainer", "charliecloud")
 APPTAINER_SCHEMES = ("docker://", "docker-daemon:", "docker-archive:", "oci:", "oci-archive:", "oras://",

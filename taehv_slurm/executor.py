@@ -20,14 +20,14 @@ import submitit
 
 from taehv_slurm import container
 from taehv_slurm.backends import backend_named
-from taehv_slurm.config import ClusterConfig
-from taehv_slurm.machine import gpus_here, visible_gpus
+from taehv_slurm.common.config import ClusterConfig
+from taehv_slurm.common.machine import gpus_here, visible_gpus
+from taehv_slurm.common.submitit_api import convert_mem, make_sbatch_string
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.bytecode import COMPILE_CACHE_ENV
 from taehv_slurm.runtime.distenv import INHERITED_LAUNCHER_VARS
 from taehv_slurm.runtime.steps import JOB_ENDING_ENV, LAUNCH_ENV, RESTART_EXIT_CODE, STEP_LOOP_ENV
 from taehv_slurm.slurm import NO_SLURM_HINT, SCONTROL_ENV, says_no_slurm
-from taehv_slurm.submitit_api import convert_mem, make_sbatch_string
 
 RELAY_LINGER_MARGIN_S = 30  # the relay outlives a batch script a signal ended by KillWait + this
 CONTROLLER_START_S = 120  # the setup lines (module loads, a venv) run before the local controller starts

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from taehv_slurm import slurm
-from taehv_slurm.config import ClusterConfig
+from taehv_slurm.common.config import ClusterConfig
 from taehv_slurm.registry import Registry, record_submission, run_name
-from taehv_slurm.runtime.backend import Outcome
+from taehv_slurm.runtime.rank_backend import Outcome
 
 MODES = ("auto", "self", "follow_up")
 

@@ -1,7 +1,7 @@
 """`JobHandle`: one submitted run — its job's state, logs, events, metrics and accounting, and control
 (wait, cancel, requeue). A small object over the modules that know each part: its backend object
 (taehv_slurm.backends: state and control), taehv_slurm.slurm (accounting), the run folder's events
-(taehv_slurm.runtime.runfiles), the registry (re-opening a run by job id) and taehv_slurm.reports
+(taehv_slurm.common.runfolder), the registry (re-opening a run by job id) and taehv_slurm.reports
 (DataFrames, plots, progress display); taehv_slurm.logfollow streams a rank's log.
 """
 
@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from taehv_slurm import jobstates, slurm
 from taehv_slurm.backends import backend_named
-from taehv_slurm.config import ClusterConfig, load_cluster
+from taehv_slurm.common.config import ClusterConfig, load_cluster
+from taehv_slurm.common.runfolder import EVENTS, METRICS, EventLog
 from taehv_slurm.goodput import attempt_rows, frame_of, run_totals
 from taehv_slurm.registry import Registry, run_name
 from taehv_slurm.reports import describe_restart, slow_rank_note
 from taehv_slurm.runtime.provenance import commit_label, read_attempts
-from taehv_slurm.runtime.runfiles import EVENTS, METRICS, EventLog
 
 if TYPE_CHECKING:  # only for annotations: importing pandas/matplotlib costs seconds
     import pandas as pd

@@ -22,7 +22,7 @@ from typing import Any
 
 import cloudpickle
 
-from taehv_slurm.messages import first_line
+from taehv_slurm.common.messages import first_line
 
 MAX_DEPTH = 12  # deep enough for task → config → list → object; a cycle or a huge graph stops here
 

@@ -9,7 +9,7 @@ indexed, not parsed again for each question: `Registry.load` keeps one index per
 only when the file changed, and then only its new lines when it just grew), each line's job id and
 run name taken from the head `record_submission` writes, its record parsed only when asked for. Lines
 of another shape (an older registry, a line written by hand) are parsed whole. Appends stay safe with
-writers on several hosts (taehv_slurm.runtime.runfiles.EventLog.write).
+writers on several hosts (taehv_slurm.common.runfolder.EventLog.write).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from taehv_slurm.runtime.runfiles import EventLog, parse_line, warn_damaged
+from taehv_slurm.common.runfolder import EventLog, parse_line, warn_damaged
 
 REGISTRY = "registry.jsonl"
 REQUIRED = ("job_id", "run_dir", "folder")

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from taehv_slurm.changes import config_changes, flatten
+from taehv_slurm.common.changes import config_changes, flatten
+from taehv_slurm.common.runfolder import METRICS, EventLog, parse_line, warn_damaged
 from taehv_slurm.registry import read_registry, run_name
-from taehv_slurm.runtime.runfiles import METRICS, EventLog, parse_line, warn_damaged
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -1,5 +1,5 @@
 """What Slurm says of a cluster config before a job waits in its queue: the partition, its nodes' GPUs, CPUs
-and memory, accounting, and what a preemption does there. Rows as taehv_slurm.checks gives them (check,
+and memory, accounting, and what a preemption does there. Rows as taehv_slurm.submit_checks gives them (check,
 PASS | WARN | FAIL | SKIP, detail), every FAIL naming what to change; `taehv preflight` prints them.
 
 Where Slurm cannot be reached (a laptop, a workstation), `not_checked_rows` gives the same rows, each
@@ -10,10 +10,10 @@ show them there and check everything else as on a login node.
 from __future__ import annotations
 
 from taehv_slurm import slurm
-from taehv_slurm.checks import Row
-from taehv_slurm.config import ClusterConfig
+from taehv_slurm.common.config import ClusterConfig
+from taehv_slurm.common.messages import command
 from taehv_slurm.followup import partition_preempt_mode
-from taehv_slurm.messages import command
+from taehv_slurm.submit_checks import Row
 
 NOT_CHECKED = "not checked here (no Slurm)"
 

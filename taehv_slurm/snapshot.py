@@ -29,9 +29,9 @@ from pathlib import Path
 
 import taehv_slurm
 from taehv_slurm.backends import backend_named
-from taehv_slurm.config import ClusterConfig, ConfigError
+from taehv_slurm.common.config import ClusterConfig, ConfigError
+from taehv_slurm.common.security import make_private_dir, private_umask
 from taehv_slurm.runtime.provenance import SNAPSHOT_FILE, code_state
-from taehv_slurm.security import make_private_dir, private_umask
 
 SNAPSHOT_DIR = "code"
 SNAPSHOT_LIMIT_BYTES = 512 << 20  # tracked files beyond this are a data set in git, not code to copy

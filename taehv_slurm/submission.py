@@ -31,19 +31,9 @@ from typing import Any
 
 from taehv_slurm import followup, slurm, snapshot
 from taehv_slurm.backends import backend_named, describe_live
-from taehv_slurm.config import ClusterConfig, ConfigError
-from taehv_slurm.executor import SubmissionError, describe_sbatch_error, make_executor
-from taehv_slurm.handle import JobHandle
-from taehv_slurm.messages import command
-from taehv_slurm.picklecheck import check_picklable
-from taehv_slurm.registry import REGISTRY, Registry, record_submission
-from taehv_slurm.runs import asked_once
-from taehv_slurm.runtime.backend import RankBackend
-from taehv_slurm.runtime.requeue import RequeueableTask, check_takes_context
-from taehv_slurm.runtime.runlock import lock_holder
-from taehv_slurm.runtime.steps import Placement
-from taehv_slurm.runtime.watchdog import WatchdogSettings
-from taehv_slurm.security import (
+from taehv_slurm.common.config import ClusterConfig, ConfigError
+from taehv_slurm.common.messages import command
+from taehv_slurm.common.security import (
     UnsafePathError,
     check_not_shared_writable,
     check_safe_to_load,
@@ -51,7 +41,17 @@ from taehv_slurm.security import (
     make_private_dir,
     private_umask,
 )
-from taehv_slurm.submitit_api import FailedJobError
+from taehv_slurm.common.submitit_api import FailedJobError
+from taehv_slurm.executor import SubmissionError, describe_sbatch_error, make_executor
+from taehv_slurm.handle import JobHandle
+from taehv_slurm.picklecheck import check_picklable
+from taehv_slurm.registry import REGISTRY, Registry, record_submission
+from taehv_slurm.runs import asked_once
+from taehv_slurm.runtime.rank_backend import RankBackend
+from taehv_slurm.runtime.requeue import RequeueableTask, check_takes_context
+from taehv_slurm.runtime.runlock import lock_holder
+from taehv_slurm.runtime.steps import Placement
+from taehv_slurm.runtime.watchdog import WatchdogSettings
 
 
 class RunBusyError(RuntimeError):

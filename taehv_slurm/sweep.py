@@ -11,8 +11,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from taehv_slurm.config import ConfigError, TrainConfig, load_train, split_overrides
-from taehv_slurm.typed_yaml import load_yaml
+from taehv_slurm.common.config import ConfigError, TrainConfig, load_train, split_overrides
+from taehv_slurm.common.typed_yaml import load_yaml
 
 
 def sweep_grid(items: list[str] | Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:

@@ -17,25 +17,25 @@ from pathlib import Path
 from typing import Any
 
 from taehv_slurm.backends import backend_named
-from taehv_slurm.checks import Row, require_passing, submit_checks
-from taehv_slurm.config import (
+from taehv_slurm.common.config import (
     ClusterConfig,
     ConfigError,
     TrainConfig,
     missing_engine_package,
     missing_tracker_package,
 )
+from taehv_slurm.common.plan import ScalePlan, plan_for_cluster
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.plan import ScalePlan, plan_for_cluster
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.context import grace_seconds
 from taehv_slurm.runtime.tasks import TaskRef
 from taehv_slurm.slurm_checks import not_checked_rows
 from taehv_slurm.submission import SubmissionError, check_job_dir, check_run_name, submit, submit_many
+from taehv_slurm.submit_checks import Row, require_passing, submit_checks
 from taehv_slurm.sweep import point_name, sweep_grid, sweep_trains
 
 TRAIN_TASK = "taehv_slurm.trainer.task:TrainTask"
-PREPARE_TASK = "taehv_slurm.trainer.prepare:PrepareTask"
+PREPARE_TASK = "taehv_slurm.trainer.prepare_task:PrepareTask"
 
 
 class RunCompleteError(RuntimeError):
@@ -72,9 +72,9 @@ def submit_training(cluster: ClusterConfig, trains: TrainConfig | list[TrainConf
 def training_checks(cluster: ClusterConfig, trains: Sequence[TrainConfig], plans: Sequence[ScalePlan],
                     run_name: str | None, sweep: list[dict[str, Any]] | None = None,
                     data: bool | None = None, preview: bool = False) -> list[Row]:
-    """The submit-time checks of these runs (taehv_slurm.checks); nothing is written. Raises ConfigError
-    for a bad run name or job_dir, or a missing engine package; where the backend cannot be used from here
-    (no Slurm) see `reachable_rows`."""
+    """The submit-time checks of these runs (taehv_slurm.submit_checks); nothing is written. Raises
+    ConfigError for a bad run name or job_dir, or a missing engine package; where the backend cannot be used
+    from here (no Slurm) see `reachable_rows`."""
     unreachable = reachable_rows(cluster, preview)
     if run_name is not None:
         check_run_name(run_name)

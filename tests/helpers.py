@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.config import ClusterConfig, TrainConfig, load_cluster, load_train
+from taehv_slurm.common.config import ClusterConfig, TrainConfig, load_cluster, load_train
 from taehv_slurm.runtime.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]

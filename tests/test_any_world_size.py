@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from taehv_slurm.plan import plan_for
+from taehv_slurm.common.plan import plan_for
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.training import submit_training
 from tests.helpers import make_cluster, quick_train
@@ -152,7 +152,7 @@ def test_export_depends_only_on_the_weights(runs, tmp_path: Path) -> None:
     world size in meta.json left as they were)."""
     from safetensors.torch import load_file
 
-    from taehv_slurm.trainer.export import export_weights
+    from taehv_slurm.trainer.weights import export_weights
 
     _, host_state, host_meta = Checkpointer(runs[("allreduce", 1)] / "checkpoints").load_latest()
     reference = load_file(export_weights(runs[("allreduce", 1)], tmp_path / "reference.safetensors",

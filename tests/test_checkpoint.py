@@ -196,7 +196,7 @@ def test_preflight_wants_room_for_the_checkpoints_kept_and_one_more(tmp_path: Pa
     """Preflight's `checkpoint folder` row asks for keep_checkpoints + 1 checkpoints (a new one is complete
     before the oldest goes), each the model's fp32 weights and two AdamW moments (12 bytes a parameter) plus
     the ranks' RNG states: the tiny config's 2 + 1 of ≈4.5 MB do not fit 8 MiB, and fit 32 MiB."""
-    from taehv_slurm.preflight import Preflight
+    from taehv_slurm.preflight_checks import Preflight
     from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
     from tests.helpers import tiny_train
 

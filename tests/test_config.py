@@ -14,9 +14,8 @@ import yaml
 
 from taehv_slurm import snapshot
 from taehv_slurm.backends import SlurmBackend
-from taehv_slurm.changes import flatten
-from taehv_slurm.checks import submit_checks
-from taehv_slurm.config import (
+from taehv_slurm.common.changes import flatten
+from taehv_slurm.common.config import (
     ClusterConfig,
     ConfigError,
     OptimConfig,
@@ -24,10 +23,11 @@ from taehv_slurm.config import (
     load_train,
     split_overrides,
 )
+from taehv_slurm.common.plan import plan_for
+from taehv_slurm.common.typed_yaml import parse_set_args
 from taehv_slurm.executor import LocalExecutor, SlurmExecutor, make_executor, sbatch_preview
-from taehv_slurm.plan import plan_for
 from taehv_slurm.submission import requeueable_task, secrets_in_environ
-from taehv_slurm.typed_yaml import parse_set_args
+from taehv_slurm.submit_checks import submit_checks
 from tests.videos import write_video
 
 REPO = Path(__file__).resolve().parents[1]

@@ -248,7 +248,7 @@ def test_order_is_pinned() -> None:
 def rank_layouts(world: int, effective: int, per_gpu: int,
                  engine: str = "allreduce") -> list[tuple[int, list[int]]]:
     """(first sample, micro-batch sizes) of every rank, from the plan as the trainer gets it."""
-    from taehv_slurm.plan import plan_for
+    from taehv_slurm.common.plan import plan_for
 
     plan = plan_for(world, 1, {"batch": {"effective": effective, "per_gpu": per_gpu},
                                "engine": {"kind": engine}}, device="cpu")

@@ -155,7 +155,7 @@ def test_slurm_task_outranks_leftover_launcher_variables() -> None:
 
 
 def test_jobs_do_not_inherit_launcher_variables(tmp_path) -> None:
-    from taehv_slurm.config import load_cluster
+    from taehv_slurm.common.config import load_cluster
     from taehv_slurm.executor import sbatch_preview
 
     script = sbatch_preview(load_cluster({"partition": "gpu"}), tmp_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from taehv_slurm.config import load_train
+from taehv_slurm.common.config import load_train
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.trainer.divergence import DivergenceGuard
 from tests.helpers import quick_train

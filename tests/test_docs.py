@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from taehv_slurm.config import ClusterConfig, TrainConfig
+from taehv_slurm.common.config import ClusterConfig, TrainConfig
 from tests.doc_figures import (
     RESULT_FILE,
     Figure,

@@ -93,7 +93,7 @@ def test_readme_round_trip(run: Path, tmp_path: Path) -> None:
 
 
 def test_default_shape_exports_the_published_key_list(tmp_path: Path) -> None:
-    from taehv_slurm.trainer.export import published_state_dict
+    from taehv_slurm.trainer.weights import published_state_dict
 
     params = {k: v for k, v in TAEHV(TAEHVConfig()).state_dict().items()}
     assert list(published_state_dict(params, {}, torch.float16)) == published_keys()

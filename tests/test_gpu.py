@@ -32,7 +32,7 @@ import subprocess
 import pytest
 import torch
 
-from taehv_slurm.config import ConfigError
+from taehv_slurm.common.config import ConfigError
 from tests import gpu_runs
 from tests.gpu_runs import ACCUMULATION, PER_GPU, STEPS, Runs, run_events, submit_args, train_rows
 from tests.helpers import REPO
@@ -119,8 +119,8 @@ def test_the_local_plan_uses_this_machines_gpu_memory() -> None:
     """With --local the plan and the memory check use the GPU the run will have (an H200: ~140 GB), not the
     cluster config's gpu_memory_gb (80 by default): per-GPU batch 24 of the shipped clips (~105 GB of
     activations) fits an H200 and is refused against 80 GB."""
-    from taehv_slurm.config import load_cluster, load_train
-    from taehv_slurm.plan import plan_for_cluster
+    from taehv_slurm.common.config import load_cluster, load_train
+    from taehv_slurm.common.plan import plan_for_cluster
 
     here = torch.cuda.get_device_properties(0).total_memory / 2**30
     local = load_cluster(REPO / "configs/cluster/local.yaml", gpus_per_node=1, tasks_per_node=1)

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import pytest
 
-from taehv_slurm.config import load_cluster, load_train
-from taehv_slurm.plan import plan_for_cluster
+from taehv_slurm.common.config import load_cluster, load_train
+from taehv_slurm.common.plan import plan_for_cluster
 from tests.helpers import REPO, job_state, metrics, rank_record, wait_for
 from tests.slurm_testbed import Testbed
 from tests.slurm_testbed_gpus import host_gpus, shares_gpus

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
-from taehv_slurm.config import load_cluster
+from taehv_slurm.common.config import load_cluster
+from taehv_slurm.common.runfolder import EventLog
 from taehv_slurm.runtime.checkpoint import Checkpointer
-from taehv_slurm.runtime.runfiles import EventLog
 from tests.helpers import metrics, wait_for
 from tests.tasks import CountingTask
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from taehv_slurm.runtime.runfiles import EventLog
-from taehv_slurm.security import make_private_dir
+from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.security import make_private_dir
 from tests.helpers import LOCAL_TASK_ENV, REPO, tiny_train
 
 # Written the way the old code wrote it: the classes pickled by reference under their old module names.
@@ -68,3 +68,37 @@ def test_a_job_pickled_by_0_1_runs_after_the_upgrade(tmp_path: Path) -> None:
     kinds = [e["event"] for e in EventLog(run_dir / "events.jsonl").read()]
     assert kinds[0] == "start" and kinds[-1] == "finished" and "failure" not in kinds
     assert (run_dir / "checkpoints" / "step_00000002" / "state.pt").is_file()
+
+
+# The code before the shared layer's move pickled a cluster config under its old module name.
+PICKLE_BEFORE_THE_MOVE = """
+import pickle, sys
+from taehv_slurm.common.config import load_cluster
+cluster = load_cluster("configs/cluster/testbed.yaml")
+type(cluster).__module__ = "taehv_slurm.config"
+sys.stdout.buffer.write(pickle.dumps(cluster))
+"""
+
+# In a fresh process: each old name is the module now at its new name, with its own spec; the pickle loads.
+LOAD_UNDER_THE_OLD_NAMES = """
+import importlib, pickle, sys
+from taehv_slurm.common.moved import MOVED
+for old, new in MOVED.items():
+    module = importlib.import_module(old)
+    assert module is importlib.import_module(new) and module.__spec__.name == new, (old, module.__spec__)
+cluster = pickle.loads(sys.stdin.buffer.read())
+print(type(cluster).__module__, cluster.job_dir)
+"""
+
+
+def test_modules_moved_into_the_shared_layer_still_load_under_their_old_names(tmp_path: Path) -> None:
+    """A user's `from taehv_slurm.config import ...` and a job pickled before the move keep working."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    pickled = subprocess.run([sys.executable, "-c", PICKLE_BEFORE_THE_MOVE], cwd=REPO, env=env,
+                             capture_output=True, check=True, timeout=120).stdout
+    assert b"taehv_slurm.config" in pickled and b"taehv_slurm.common.config" not in pickled
+    loaded = subprocess.run([sys.executable, "-c", LOAD_UNDER_THE_OLD_NAMES], input=pickled, cwd=tmp_path,
+                            env=env, capture_output=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr.decode()[-3000:]
+    module, job_dir = loaded.stdout.decode().split()
+    assert module == "taehv_slurm.common.config" and job_dir

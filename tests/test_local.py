@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from taehv_slurm.config import load_cluster
+from taehv_slurm.common.config import load_cluster
 from taehv_slurm.submission import submit
 from tests.helpers import REPO, cli, wait_for
 
@@ -156,7 +156,7 @@ def test_a_rank_that_dies_takes_the_job_down(tmp_path: Path, rank0_raises: bool)
 def test_the_gpus_a_local_run_may_use_are_those_cuda_visible_devices_names(tmp_path: Path) -> None:
     """`taehv submit --local` on a shared machine with CUDA_VISIBLE_DEVICES=1,3 runs on GPUs 1 and 3 (it used
     to set 0,1: another user's GPUs); unset, every GPU of the driver's device files, in CUDA's order."""
-    from taehv_slurm.machine import visible_gpus
+    from taehv_slurm.common.machine import visible_gpus
 
     for name in ("nvidia0", "nvidia1", "nvidia10", "nvidia2", "nvidia3", "nvidiactl", "nvidia-uvm"):
         (tmp_path / name).touch()

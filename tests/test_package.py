@@ -70,6 +70,11 @@ def test_the_wheel_installs_one_namespace_and_the_taehv_command(installed: Path,
     assert top == {"taehv_slurm", next(t for t in top if t.endswith(".dist-info"))}, top
     assert ("taehv_slurm/configs/train/tiny.yaml" in names
             and "taehv_slurm/configs/cluster/local.yaml" in names)
+    # every module of the source (a package missing from setup.cfg would still import here, from the
+    # checkout's editable install beside the venv, and fail on a user's machine)
+    sources = subprocess.run(["git", "ls-files", "taehv_slurm/*.py"], cwd=REPO, capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert not set(sources) - set(names), sorted(set(sources) - set(names))
     done = run_in(tmp_path, installed.parent / "taehv", "--help")
     assert done.returncode == 0, done.stderr
     for command in ("submit", "status", "logs", "cancel", "export", "prepare", "preflight", "launch"):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from taehv_slurm.config import ConfigError, load_train
-from taehv_slurm.plan import plan_for, taehv_param_count
+from taehv_slurm.common.config import ConfigError, load_train
+from taehv_slurm.common.plan import plan_for, taehv_param_count
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,8 +150,8 @@ def test_param_count_matches_the_model(real) -> None:
 # What a fresh interpreter, started with none of this process's state, plans for 2 nodes × 8 GPUs.
 FRESH_PLAN = """
 import json, sys
-from taehv_slurm.config import load_train
-from taehv_slurm.plan import plan_for
+from taehv_slurm.common.config import load_train
+from taehv_slurm.common.plan import plan_for
 print(json.dumps(plan_for(2, 8, load_train(sys.argv[1])).to_dict()))
 """
 # Audit events that would mean the plan touched the world outside its arguments.

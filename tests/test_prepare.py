@@ -24,10 +24,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from taehv_slurm.runtime.runfiles import EventLog
+from taehv_slurm.common.runfolder import EventLog
 from taehv_slurm.trainer.data import ClipSpec, VideoFolderClips
 from taehv_slurm.trainer.manifest import INDEX_FILE, MANIFEST_FILE, PrepareSettings, index_windows
-from taehv_slurm.trainer.prepare import PrepareTask, should_abandon
+from taehv_slurm.trainer.prepare_task import PrepareTask, should_abandon
 from taehv_slurm.trainer.prepared import PreparedClips
 from taehv_slurm.trainer.shapes import teacher_frame_count
 from taehv_slurm.trainer.shards import read_shard_header, shard_path, verify, write_shard

@@ -19,13 +19,13 @@ import pytest
 from submitit.helpers import DelayedSubmission
 
 from taehv_slurm.backends import LocalBackend
+from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.security import make_private_dir, private_umask
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.context import StopFlag, grace_seconds
 from taehv_slurm.runtime.controller import LOCAL_REQUEUE_EXIT_CODE
 from taehv_slurm.runtime.provenance import read_attempts
 from taehv_slurm.runtime.requeue import RequeueableTask
-from taehv_slurm.runtime.runfiles import EventLog
-from taehv_slurm.security import make_private_dir, private_umask
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
 from tests.helpers import (

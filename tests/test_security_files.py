@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
+from taehv_slurm.common.security import UnsafePathError, check_safe_to_load
 from taehv_slurm.executor import make_executor
 from taehv_slurm.runtime.checkpoint import Checkpointer, CheckpointError
-from taehv_slurm.security import UnsafePathError, check_safe_to_load
 from taehv_slurm.submission import submit
 from tests.helpers import LOCAL_TASK_ENV, REPO, make_cluster, wait_done
 from tests.security_helpers import TEST_USER, User, mode, one_line, unprivileged_user
@@ -51,7 +51,7 @@ def sha256(path: Path) -> str:
 MODES = """
 import json, os, stat, sys
 from pathlib import Path
-from taehv_slurm.security import UnsafePathError, make_private_dir, write_private
+from taehv_slurm.common.security import UnsafePathError, make_private_dir, write_private
 base, group, foreign = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 os.umask(0o022)  # a usual login umask: the library must not depend on the caller's
 m = lambda p: stat.S_IMODE(os.stat(p).st_mode)
@@ -110,7 +110,7 @@ MAKE_JOB_FOLDER = """
 import json, os, sys
 from pathlib import Path
 from submitit.helpers import DelayedSubmission
-from taehv_slurm.security import make_private_dir, private_umask
+from taehv_slurm.common.security import make_private_dir, private_umask
 case = Path(sys.argv[1])
 folder = make_private_dir(case / "above" / "run" / "submitit")
 with private_umask():  # as submit() writes it
@@ -169,7 +169,7 @@ MAKE_EXECUTOR_FOLDER = """
 import json, os, sys, tempfile
 from pathlib import Path
 from submitit.helpers import DelayedSubmission
-from taehv_slurm.security import private_umask
+from taehv_slurm.common.security import private_umask
 folder = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(tempfile.mkdtemp())  # as `mktemp -d`: 0700 in /tmp
 folder.mkdir(mode=0o700, exist_ok=True)
 with private_umask():
@@ -239,7 +239,7 @@ def test_a_real_slurm_job_refuses_and_submit_refuses_first(slurm_cluster, tmp_pa
 
 
 def test_a_symbolic_link_on_the_way_is_refused(tmp_path: Path) -> None:
-    from taehv_slurm.security import check_safe_to_load, make_private_dir
+    from taehv_slurm.common.security import check_safe_to_load, make_private_dir
 
     run = make_private_dir(tmp_path / "run")
     elsewhere = make_private_dir(tmp_path / "elsewhere")
@@ -258,7 +258,7 @@ import hashlib, json, os, re, subprocess, sys
 from pathlib import Path
 import torch
 from taehv_slurm.runtime.checkpoint import Checkpointer
-from taehv_slurm.security import UnsafePathError, describe_secret_env
+from taehv_slurm.common.security import UnsafePathError, describe_secret_env
 base, planted, theirs = (Path(a) for a in sys.argv[1:4])
 run = base / "run"
 ck = Checkpointer(run / "checkpoints", trust_root=run)

@@ -29,12 +29,12 @@ from typing import Any
 
 import pytest
 
-from taehv_slurm.config import load_cluster
+from taehv_slurm.common.config import load_cluster
+from taehv_slurm.common.security import describe_secret_env
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.distenv import PORT_BASE, PORT_SPAN, DistEnv, port_for_job
 from taehv_slurm.runtime.requeue import RequeueableTask
-from taehv_slurm.security import describe_secret_env
 from taehv_slurm.submission import submit
 from tests.helpers import REPO, make_cluster, tiny_train, wait_done
 from tests.security_helpers import User, mode, unprivileged_user

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from taehv_slurm import slurm
-from taehv_slurm.config import load_cluster, load_train
+from taehv_slurm.common.config import load_cluster, load_train
 from taehv_slurm.executor import SubmissionError, make_executor
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.submission import submit
@@ -66,7 +66,7 @@ def test_sbatch_rejection_is_one_line_and_leaves_nothing(tmp_path: Path) -> None
 # its own: which modules each imported, and which classes the pickle names.
 PICKLE_A_TRAIN_TASK = """
 import json, pickle, sys
-from taehv_slurm.config import load_cluster, load_train
+from taehv_slurm.common.config import load_cluster, load_train
 from taehv_slurm.trainer.task import TrainTask
 train, cluster = load_train(sys.argv[2]), load_cluster(sys.argv[3], job_dir="runs")
 with open(sys.argv[1], "wb") as f:
@@ -102,7 +102,7 @@ def test_train_task_pickles_without_torch(tmp_path: Path) -> None:
         outputs.append(json.loads(done.stdout))
     written, loaded = outputs
     assert not written["torch"] and not loaded["torch"]
-    assert sorted(map(tuple, loaded["named"])) == [("taehv_slurm.config", "RuntimeSettings"),
+    assert sorted(map(tuple, loaded["named"])) == [("taehv_slurm.common.config", "RuntimeSettings"),
                                                    ("taehv_slurm.trainer.task", "TrainTask")]
     assert loaded["train"] == json.loads(json.dumps(load_train(train).to_dict()))
     runtime = load_cluster(cluster, job_dir="runs").runtime()
@@ -214,7 +214,7 @@ def test_a_running_job_is_past_its_end_time_only_once_its_limit_has_come(tmp_pat
 UNDER_A_SIGTERM_STORM = """
 import signal, sys, time
 from taehv_slurm import slurm
-from taehv_slurm.config import load_cluster, load_train
+from taehv_slurm.common.config import load_cluster, load_train
 caught = []
 signal.signal(signal.SIGTERM, lambda *_: caught.append(1))
 print("ready", flush=True)

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from taehv_slurm.common.runfolder import RunFileWarning
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.registry import REGISTRY, Registry, read_registry
-from taehv_slurm.runtime.runfiles import RunFileWarning
 from tests.helpers import REPO
 
 SCHEDULER = ("squeue", "sacct", "scontrol")
@@ -86,7 +86,7 @@ def test_old_registries_damaged_lines_and_appends_are_read_as_before(tmp_path: P
 def a_long_local_run(job_dir: Path, steps: int) -> list[str]:
     """One run folder submitted twice (a resubmitted run resumes it): job A trained steps 1..steps/2, job B
     the rest; returns the job ids. The files as the local backend leaves them; no job runs."""
-    from taehv_slurm.config import load_cluster
+    from taehv_slurm.common.config import load_cluster
 
     cluster = load_cluster(REPO / "configs/cluster/local.yaml").masked()
     run_dir, now, half = job_dir / "long", time.time() - 10 * steps, steps // 2

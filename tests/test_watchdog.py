@@ -95,9 +95,9 @@ def test_a_frozen_peer_is_a_hang_past_the_floor_even_in_an_uncalibrated_section(
 def test_a_training_rank_marks_every_section(tmp_path: Path) -> None:
     """A short one-rank training run under a watchdog passes through each section the docs name, so a hang
     in a validation or a save is timed against validations and saves, and named as such."""
-    from taehv_slurm.runtime.backend import RankBackend
     from taehv_slurm.runtime.context import RunContext, StopFlag, grace_seconds
     from taehv_slurm.runtime.distenv import DistEnv
+    from taehv_slurm.runtime.rank_backend import RankBackend
     from taehv_slurm.trainer.task import TrainTask
 
     env = DistEnv.from_environ({})

@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from taehv_slurm.messages import CLI_ENV
+from taehv_slurm.common.messages import CLI_ENV
 
 COMMANDS = {
     "submit": "submit training (or the smoke check) to Slurm, or run it here with --local",

@@ -1,7 +1,7 @@
 """What the CLIs share: default config paths, the shortcut flags, and one-line errors instead of tracebacks.
 
 Config paths such as `configs/train/tiny.yaml` work from any folder: the library falls back to the
-example configs installed with the package (taehv_slurm.config.shipped_config).
+example configs installed with the package (taehv_slurm.common.config.shipped_config).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 
-from taehv_slurm.config import ClusterConfig, load_cluster
+from taehv_slurm.common.config import ClusterConfig, load_cluster
 
 DEFAULT_CLUSTER = "configs/cluster/h100_8gpu.yaml"
 LOCAL_CLUSTER = "configs/cluster/local.yaml"
@@ -124,7 +124,7 @@ def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None
             print("terminated (SIGTERM)" if signum == signal.SIGTERM else "interrupted", file=sys.stderr)
             return stopped_exit_code(signum)
         except Exception as err:
-            from taehv_slurm.checks import ChecksFailedError
+            from taehv_slurm.submit_checks import ChecksFailedError
 
             if isinstance(err, ChecksFailedError):  # every problem of the submit, one line each
                 for problem in err.problems:
@@ -146,13 +146,13 @@ def one_line_errors(main: Callable[..., int | None]) -> Callable[..., int | None
 
 def _user_errors() -> tuple[type[Exception], ...]:
     """The errors a user's input or environment causes, which the commands print in one line."""
-    from taehv_slurm.config import ConfigError
+    from taehv_slurm.common.config import ConfigError
+    from taehv_slurm.common.security import UnsafePathError
     from taehv_slurm.executor import SubmissionError
     from taehv_slurm.picklecheck import UnpicklableTaskError
     from taehv_slurm.registry import UnknownJobError
     from taehv_slurm.runtime.checkpoint import CheckpointError
     from taehv_slurm.runtime.distenv import DistributedSetupError
-    from taehv_slurm.security import UnsafePathError
     from taehv_slurm.submission import RunBusyError
 
     return (ConfigError, DistributedSetupError, SubmissionError, UnknownJobError, UnsafePathError,

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 from taehv_slurm.cli.common import add_job_dir, one_line_errors
-from taehv_slurm.messages import command
-from taehv_slurm.trainer.export import DTYPES, ExportError, export_weights
+from taehv_slurm.common.messages import command
+from taehv_slurm.trainer.weights import DTYPES, ExportError, export_weights
 
 
 @one_line_errors

@@ -29,7 +29,7 @@ from typing import Any
 
 from taehv_slurm.backends import PlatformBackend
 from taehv_slurm.cli.common import DEFAULT_TRAIN, flag_origins, one_line_errors
-from taehv_slurm.config import (
+from taehv_slurm.common.config import (
     ClusterConfig,
     ConfigError,
     TrainConfig,
@@ -37,7 +37,9 @@ from taehv_slurm.config import (
     load_train,
     split_overrides,
 )
-from taehv_slurm.messages import command, first_line
+from taehv_slurm.common.messages import command, first_line
+from taehv_slurm.common.security import make_private_dir
+from taehv_slurm.common.typed_yaml import parse_set_args
 from taehv_slurm.runtime.bytecode import keep_bytecode
 from taehv_slurm.runtime.distenv import LAUNCHER_MARK, DistEnv, DistributedSetupError
 from taehv_slurm.runtime.node_launcher import (
@@ -50,9 +52,7 @@ from taehv_slurm.runtime.node_launcher import (
 )
 from taehv_slurm.runtime.supervisor import RankCommand
 from taehv_slurm.runtime.tasks import TaskNotFoundError, TaskRef, resolve
-from taehv_slurm.security import make_private_dir
 from taehv_slurm.training import TRAIN_TASK
-from taehv_slurm.typed_yaml import parse_set_args
 
 PLATFORM_CLUSTER = "configs/platform/cluster.yaml"
 

@@ -12,8 +12,8 @@ import argparse
 import sys
 
 from taehv_slurm.cli.common import add_job_dir, one_line_errors
+from taehv_slurm.common.messages import command
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.messages import command
 
 
 @one_line_errors

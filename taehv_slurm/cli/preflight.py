@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from taehv_slurm.checks import Row, table
 from taehv_slurm.cli.common import (
     DEFAULT_CLUSTER,
     DEFAULT_TRAIN,
@@ -24,10 +23,11 @@ from taehv_slurm.cli.common import (
     flag_origins,
     one_line_errors,
 )
-from taehv_slurm.config import ConfigError, split_overrides
-from taehv_slurm.messages import command
-from taehv_slurm.preflight import Preflight, PreflightOptions
-from taehv_slurm.typed_yaml import parse_set_args
+from taehv_slurm.common.config import ConfigError, split_overrides
+from taehv_slurm.common.messages import command
+from taehv_slurm.common.typed_yaml import parse_set_args
+from taehv_slurm.preflight_checks import Preflight, PreflightOptions
+from taehv_slurm.submit_checks import Row, table
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,16 +34,16 @@ from taehv_slurm.cli.common import (
     stopped_exit_code,
     terminate_as_interrupt,
 )
-from taehv_slurm.config import ClusterConfig, ConfigError, split_overrides
+from taehv_slurm.common.config import ClusterConfig, ConfigError, split_overrides
+from taehv_slurm.common.messages import command
+from taehv_slurm.common.security import make_private_dir
+from taehv_slurm.common.typed_yaml import parse_set_args
 from taehv_slurm.executor import SubmissionError, sbatch_preview
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.messages import command
-from taehv_slurm.security import make_private_dir
 from taehv_slurm.slurm import is_success
 from taehv_slurm.trainer.manifest import PrepareError, PrepareSettings, check_out, count_videos, index_windows
 from taehv_slurm.trainer.shards import finished_shards, verify
 from taehv_slurm.training import submit_prepare
-from taehv_slurm.typed_yaml import parse_set_args
 
 
 def build_parser() -> argparse.ArgumentParser:

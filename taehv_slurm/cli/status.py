@@ -18,8 +18,8 @@ import os
 import sys
 
 from taehv_slurm.cli.common import add_job_dir, one_line_errors
+from taehv_slurm.common.messages import command
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.messages import command
 from taehv_slurm.registry import Registry
 from taehv_slurm.reports import render
 from taehv_slurm.runs import accounting_frame, asked_once, status_frame, status_table

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from taehv_slurm import slurm, snapshot
 from taehv_slurm.backends import backend_named
-from taehv_slurm.checks import Row, machine_rows, require_passing, table
 from taehv_slurm.cli import watch
 from taehv_slurm.cli.common import (
     DEFAULT_CLUSTER,
@@ -33,20 +32,21 @@ from taehv_slurm.cli.common import (
     stopped_exit_code,
     terminate_as_interrupt,
 )
-from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_train, split_overrides
+from taehv_slurm.common.config import ClusterConfig, ConfigError, TrainConfig, load_train, split_overrides
+from taehv_slurm.common.messages import command
+from taehv_slurm.common.plan import ScalePlan, plan_for_cluster
+from taehv_slurm.common.security import describe_secret_env
+from taehv_slurm.common.typed_yaml import parse_set_args
 from taehv_slurm.executor import sbatch_preview
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.messages import command
-from taehv_slurm.plan import ScalePlan, plan_for_cluster
 from taehv_slurm.registry import Registry, UnknownJobError
 from taehv_slurm.runtime.smoke import SmokeTask
-from taehv_slurm.security import describe_secret_env
 from taehv_slurm.slurm import is_success
 from taehv_slurm.slurm_checks import NOT_CHECKED
 from taehv_slurm.submission import check_job_dir, check_run_name, submit
+from taehv_slurm.submit_checks import Row, machine_rows, require_passing, table
 from taehv_slurm.sweep import point_name, sweep_grid, sweep_trains
 from taehv_slurm.training import RunCompleteError, reachable_rows, submit_training, training_checks
-from taehv_slurm.typed_yaml import parse_set_args
 
 
 def build_parser() -> argparse.ArgumentParser:

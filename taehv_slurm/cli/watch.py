@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from taehv_slurm.cli.common import EXIT_DONE, EXIT_FAILED, stop_signal, stopped_exit_code
+from taehv_slurm.common.messages import command
+from taehv_slurm.common.runfolder import export_path
 from taehv_slurm.goodput import summary as goodput_summary
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.logfollow import LogFollower
-from taehv_slurm.messages import command
 from taehv_slurm.runtime.checkpoint import Checkpointer
-from taehv_slurm.runtime.runfiles import export_path
 from taehv_slurm.slurm import is_final, is_success
 
 # What the CLI says when Ctrl-C or a SIGTERM stops a job of this machine: (what it heard, how to end the job

@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.messages import first_line
-from taehv_slurm.runtime.runfiles import fsync_dir, write_text_atomic
-from taehv_slurm.security import check_safe_to_load, make_private_dir
+from taehv_slurm.common.messages import first_line
+from taehv_slurm.common.runfolder import fsync_dir, write_text_atomic
+from taehv_slurm.common.security import check_safe_to_load, make_private_dir
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 

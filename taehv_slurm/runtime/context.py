@@ -2,7 +2,7 @@
 
 A task receives its `RunContext` and calls `ctx.step_boundary(step, save)` at every step. All ranks
 agree on the stop flag with one all-reduce; when a signal reached any rank, every rank calls `save()`
-at that step, then rank 0 asks the backend what happens to the job (taehv_slurm.runtime.backend) and
+at that step, then rank 0 asks the backend what happens to the job (taehv_slurm.runtime.rank_backend) and
 records it in `events.jsonl` as it happened:
   - Slurm is requeueing it already (preemption, `scontrol requeue`: its Restarts went up) → `requeue`;
   - the job was cancelled (`scancel`, `taehv cancel`) → `cancelled`;
@@ -29,13 +29,13 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from taehv_slurm.messages import command
-from taehv_slurm.runtime.backend import RankBackend
+from taehv_slurm.common.messages import command
+from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.security import make_private_dir
 from taehv_slurm.runtime.distenv import DistEnv
 from taehv_slurm.runtime.provenance import record_attempt
+from taehv_slurm.runtime.rank_backend import RankBackend
 from taehv_slurm.runtime.ranks import node_name
-from taehv_slurm.runtime.runfiles import EventLog
-from taehv_slurm.security import make_private_dir
 
 if TYPE_CHECKING:
     from taehv_slurm.runtime.watchdog import Watchdog

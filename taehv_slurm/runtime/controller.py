@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.runtime.runfiles import write_text_atomic
+from taehv_slurm.common.runfolder import write_text_atomic
+from taehv_slurm.common.submitit_api import JobPaths
 from taehv_slurm.runtime.supervisor import RankCommand, Supervisor
-from taehv_slurm.submitit_api import JobPaths
 
 LOCAL_REQUEUE_EXIT_CODE = 144  # a rank saved and asks for a restart (submitit's local requeue code)
 ACTIVE_STATES = ("RUNNING", "CANCELLING")

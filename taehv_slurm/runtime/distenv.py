@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from taehv_slurm.messages import first_line
+from taehv_slurm.common.messages import first_line
 from taehv_slurm.runtime import network
 
 # MASTER_PORT = PORT_BASE + job_id % PORT_SPAN. The range sits below Linux's ephemeral ports

@@ -24,9 +24,9 @@ import time
 import traceback
 from pathlib import Path
 
+from taehv_slurm.common.security import UnsafePathError, check_safe_to_load, umask_for
 from taehv_slurm.runtime import legacy, signals
 from taehv_slurm.runtime.bytecode import COMPILE_CACHE_ENV, keep_bytecode
-from taehv_slurm.security import UnsafePathError, check_safe_to_load, umask_for
 
 STARTED_ENV = "TAEHV_STARTED_AT"  # when this rank's process began (the run context reads it)
 PICKLE_WAIT_S = 60  # the submitting side moves the pickle into place right after sbatch returns
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     legacy.install()
     if after is not None:
         sys.exit(run_after(pickle, after))
+    from taehv_slurm.common.submitit_api import process_job
     from taehv_slurm.runtime.requeue import ReportedError
-    from taehv_slurm.submitit_api import process_job
 
     try:
         process_job(folder)

@@ -26,7 +26,7 @@ from taehv_slurm.runtime.requeue import RequeueableTask as _RequeueableTask
 MODULES = {
     "trainer": "",  # a package of its own, holding only the aliases below
     "trainer.train": "taehv_slurm.trainer.task",
-    "trainer.prepare": "taehv_slurm.trainer.prepare",
+    "trainer.prepare": "taehv_slurm.trainer.prepare_task",
     "taehv_slurm.requeue": "taehv_slurm.runtime.legacy",
     "taehv_slurm.smoke": "taehv_slurm.runtime.smoke",
 }

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig
-from taehv_slurm.plan import plan_for
+from taehv_slurm.common.config import ClusterConfig, ConfigError, TrainConfig
+from taehv_slurm.common.plan import plan_for
 from taehv_slurm.runtime.distenv import DistributedSetupError
 from taehv_slurm.runtime.supervisor import RankCommand, Supervisor
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.runtime.runfiles import EventLog, write_text_atomic
+from taehv_slurm.common.runfolder import EventLog, write_text_atomic
 
 ATTEMPTS_FILE = "attempts.jsonl"
 SNAPSHOT_FILE = ".taehv-snapshot.json"  # atop the copy of the code a job runs (taehv_slurm.snapshot)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.runtime.runfiles import write_text_atomic
+from taehv_slurm.common.runfolder import write_text_atomic
 
 RANKS_DIR = "ranks"
 

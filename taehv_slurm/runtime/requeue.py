@@ -34,19 +34,19 @@ from typing import Any
 
 import submitit
 
-from taehv_slurm.messages import one_line
+from taehv_slurm.common.messages import one_line
+from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.security import make_private_dir
 from taehv_slurm.runtime import signals
-from taehv_slurm.runtime.backend import RankBackend
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.context import FatalTaskError, RequeueExit, RunContext, StopFlag, grace_seconds
 from taehv_slurm.runtime.distenv import DistEnv, attempt_of_environ
 from taehv_slurm.runtime.guards import Guards, is_communication_error, is_hardware_fault
+from taehv_slurm.runtime.rank_backend import RankBackend
 from taehv_slurm.runtime.ranks import RankFile, describe_ranks, killed_ranks, node_name, read_ranks
-from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.runtime.runlock import RunLock
 from taehv_slurm.runtime.steps import FOLLOW_UP_EXIT_CODE, Placement, handed_over, in_step_loop, launch_number
 from taehv_slurm.runtime.watchdog import Verdict, Watchdog, WatchdogSettings
-from taehv_slurm.security import make_private_dir
 
 SIGNAL_NOTES = {signal.SIGKILL: " (often the kernel's out-of-memory killer, or a node being taken away)",
                 signal.SIGBUS: " (a hardware or memory-mapping error on that node)"}

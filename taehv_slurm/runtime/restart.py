@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from taehv_slurm.common.runfolder import EventLog
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.distenv import attempt_of_environ
 from taehv_slurm.runtime.guards import is_hardware_fault
 from taehv_slurm.runtime.ranks import killed_ranks, read_ranks
-from taehv_slurm.runtime.runfiles import EventLog
 from taehv_slurm.runtime.steps import (
     FOLLOW_UP_EXIT_CODE,
     JOB_ENDING_ENV,

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.messages import command
-from taehv_slurm.runtime.backend import RankBackend
+from taehv_slurm.common.messages import command
+from taehv_slurm.runtime.rank_backend import RankBackend
 
 LOCK_NAME = "run.lock"
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from taehv_slurm.common.runfolder import write_text_atomic
 from taehv_slurm.runtime.ranks import RankFile, describe_ranks, read_ranks
-from taehv_slurm.runtime.runfiles import write_text_atomic
 
 DUMP_REQUEST = "dump-request"
 

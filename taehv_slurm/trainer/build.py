@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from taehv_slurm.changes import refusals
-from taehv_slurm.config import TrainConfig
-from taehv_slurm.messages import command
-from taehv_slurm.plan import ScalePlan
+from taehv_slurm.common.changes import refusals
+from taehv_slurm.common.config import TrainConfig
+from taehv_slurm.common.messages import command
+from taehv_slurm.common.plan import ScalePlan
 from taehv_slurm.runtime.distenv import DistEnv
 from taehv_slurm.trainer.data import ClipSpec, SyntheticClips, VideoFolderClips
 
@@ -42,7 +42,7 @@ def build_sources(cfg: TrainConfig):
 
 def check_compatible(meta: Mapping[str, Any], cfg: TrainConfig, where: Path) -> None:
     """The checkpoint's config (its model shape, older releases: only that) against this run's config;
-    the same refusals the login node gave before submitting (taehv_slurm.changes)."""
+    the same refusals the login node gave before submitting (taehv_slurm.common.changes)."""
     saved = meta.get("config") or {"model": meta.get("model", {})}
     if problems := refusals(saved, cfg.to_dict(), f"checkpoint {where}"):
         raise IncompatibleCheckpointError("; ".join(problems))

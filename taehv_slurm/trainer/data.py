@@ -5,7 +5,7 @@ Clips travel as uint8 T×3×H×W tensors (4× smaller than float); the trainer c
 
 Sample order: one global, infinite stream of item indices (:class:`GlobalOrder`, a fresh permutation
 per epoch). Optimizer step s consumes stream positions [s·E, (s+1)·E) for the effective batch E, and
-the ranks split that range into consecutive shares (taehv_slurm.plan: ⌊E/W⌋ or one more each). So what
+the ranks split that range into consecutive shares (taehv_slurm.common.plan: ⌊E/W⌋ or one more each). So what
 a step sees depends on E and s only: a job resumed at step s on a different number of GPUs (same E)
 trains on exactly the clips it would have seen.
 """
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from taehv_slurm.config import VIDEO_EXTENSIONS
+from taehv_slurm.common.config import VIDEO_EXTENSIONS
+from taehv_slurm.common.train_config import video_folder_missing
 from taehv_slurm.runtime.signals import ignore_in_worker
-from taehv_slurm.train_config import video_folder_missing
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +421,7 @@ def step_indices(order: GlobalOrder, step: int, effective_batch: int, first: int
     """Item indices of one rank's micro-batches of optimizer step ``step``.
 
     The step covers stream positions [step·E, (step+1)·E); the rank's share starts ``first`` positions
-    in and is cut into micro-batches of ``sizes`` (taehv_slurm.plan.ScalePlan.microbatch_sizes). A size
+    in and is cut into micro-batches of ``sizes`` (taehv_slurm.common.plan.ScalePlan.microbatch_sizes). A size
     of 0 is a padding micro-batch: it repeats the rank's last sample and is trained with weight 0.
     """
     share = sum(sizes)

@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from taehv_slurm.config import DivergenceConfig
+from taehv_slurm.common.config import DivergenceConfig
 
 log = logging.getLogger("taehv")
 

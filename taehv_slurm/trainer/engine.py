@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from taehv_slurm.config import ConfigError, missing_engine_package
-from taehv_slurm.plan import COMPILED_ENGINES
+from taehv_slurm.common.config import ConfigError, missing_engine_package
+from taehv_slurm.common.plan import COMPILED_ENGINES
 from taehv_slurm.trainer.losses import DistillModule, summarize
 from taehv_slurm.trainer.stragglers import StepClock, extra_compute_for_tests
 from taehv_slurm.trainer.teacher import to_unit

@@ -28,10 +28,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from taehv_slurm.config import TEACHER_KINDS, VIDEO_EXTENSIONS, ConfigError
-from taehv_slurm.messages import command
-from taehv_slurm.runtime.runfiles import write_text_atomic
-from taehv_slurm.train_config import prepared_folder_missing
+from taehv_slurm.common.config import TEACHER_KINDS, VIDEO_EXTENSIONS, ConfigError
+from taehv_slurm.common.messages import command
+from taehv_slurm.common.runfolder import write_text_atomic
+from taehv_slurm.common.train_config import prepared_folder_missing
 from taehv_slurm.trainer.shapes import SPATIAL_FACTOR, TIME_FACTOR
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from taehv_slurm.messages import command
+from taehv_slurm.common.messages import command
 from taehv_slurm.trainer.data import ClipSpec
 from taehv_slurm.trainer.manifest import INDEX_FILE, PrepareError, read_manifest_info
 from taehv_slurm.trainer.shards import shard_path

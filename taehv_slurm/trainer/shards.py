@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from taehv_slurm.messages import first_line
-from taehv_slurm.runtime.runfiles import fsync_dir
+from taehv_slurm.common.messages import first_line
+from taehv_slurm.common.runfolder import fsync_dir
 from taehv_slurm.trainer.manifest import FORMAT, INDEX_FILE, Manifest, write_csv
 from taehv_slurm.trainer.shapes import SPATIAL_FACTOR, TIME_FACTOR
 

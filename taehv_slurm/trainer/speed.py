@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from taehv_slurm.runtime.runfiles import write_text_atomic
+from taehv_slurm.common.runfolder import write_text_atomic
 
 # Dense bf16 tensor-core peak per GPU, TFLOP/s (NVIDIA datasheets; sparse figures are twice these).
 PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.4, "H200": 989.4, "GH200": 989.4,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from taehv_slurm.config import RuntimeSettings
+from taehv_slurm.common.config import RuntimeSettings
 
 if TYPE_CHECKING:
     from taehv_slurm.runtime.context import RunContext

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from taehv_slurm.messages import first_line
+from taehv_slurm.common.messages import first_line
 from taehv_slurm.trainer.hunyuan_encoder import CLASS_NAME, EncoderSettings, HunyuanVideoEncoder, load_encoder
 from taehv_slurm.trainer.shapes import teacher_frame_count
 

@@ -30,9 +30,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.changes import flatten
-from taehv_slurm.config import TrackingConfig
-from taehv_slurm.runtime.runfiles import write_text_atomic
+from taehv_slurm.common.changes import flatten
+from taehv_slurm.common.config import TrackingConfig
+from taehv_slurm.common.runfolder import write_text_atomic
 
 IDS_FILE = "trackers.json"
 log = logging.getLogger("taehv")

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from taehv_slurm.config import RuntimeSettings, TrainConfig, load_train
-from taehv_slurm.messages import command, rank_logger
-from taehv_slurm.plan import ScalePlan, plan_for
+from taehv_slurm.common.config import RuntimeSettings, TrainConfig, load_train
+from taehv_slurm.common.messages import command, rank_logger
+from taehv_slurm.common.plan import ScalePlan, plan_for
 from taehv_slurm.runtime import network
 from taehv_slurm.runtime.checkpoint import Checkpointer, nonfinite_tensors
 from taehv_slurm.runtime.context import FatalTaskError, RunContext

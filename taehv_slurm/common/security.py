@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from taehv_slurm.config import ClusterConfig
+    from taehv_slurm.common.config import ClusterConfig
 
 PRIVATE_DIR_MODE = 0o700
 # group may read (e.g. a project group looking at metrics), never write; setgid: new files keep the group

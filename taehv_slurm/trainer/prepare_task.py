@@ -24,8 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from taehv_slurm.config import RuntimeSettings
-from taehv_slurm.messages import one_line, rank_logger
+from taehv_slurm.common.config import RuntimeSettings
+from taehv_slurm.common.messages import one_line, rank_logger
 from taehv_slurm.runtime.signals import ignore_in_worker
 from taehv_slurm.trainer.manifest import Manifest, open_clips
 from taehv_slurm.trainer.shapes import SPATIAL_FACTOR, TIME_FACTOR

@@ -3,7 +3,7 @@
 A run resumed with other values continues from its checkpoint. Most values may change mid-run (steps,
 intervals, lr, batch split, engine); some would make the checkpoint another model's or change what it
 learns from (the model's shape, the teacher): those are refused, naming the two ways out. Used on the
-login node before submitting (taehv_slurm.checks) and by the trainer when it loads a checkpoint.
+login node before submitting (taehv_slurm.submit_checks) and by the trainer when it loads a checkpoint.
 """
 
 from __future__ import annotations

@@ -22,14 +22,14 @@ from typing import Any
 
 from taehv_slurm import slurm
 from taehv_slurm.backends import backend_named
-from taehv_slurm.checks import Row, container_rows, data_row
-from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_cluster, load_train
+from taehv_slurm.common.config import ClusterConfig, ConfigError, TrainConfig, load_cluster, load_train
+from taehv_slurm.common.plan import plan_for_cluster, taehv_param_count
+from taehv_slurm.common.security import UnsafePathError, check_not_shared_writable
 from taehv_slurm.executor import SubmissionError
-from taehv_slurm.plan import plan_for_cluster, taehv_param_count
 from taehv_slurm.runtime import network
 from taehv_slurm.runtime.smoke import SmokeTask
-from taehv_slurm.security import UnsafePathError, check_not_shared_writable
 from taehv_slurm.slurm_checks import not_checked_rows, slurm_rows
+from taehv_slurm.submit_checks import Row, container_rows, data_row
 
 
 @dataclasses.dataclass

@@ -1,8 +1,8 @@
 """Typed configuration: cluster YAML → `ClusterConfig`, training YAML → `TrainConfig`, and loading both.
 
-The cluster schema and its validation live here, the training schema in taehv_slurm.train_config (its
+The cluster schema and its validation live here, the training schema in taehv_slurm.common.train_config (its
 names are importable from here too); reading them (YAML or a dict, `--set key=value` overrides, every
-problem as one `ConfigError` line naming the file or flag and the fix) is taehv_slurm.typed_yaml's.
+problem as one `ConfigError` line naming the file or flag and the fix) is taehv_slurm.common.typed_yaml's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from taehv_slurm.machine import gpu_memory_here, gpus_here
-from taehv_slurm.train_config import (  # noqa: F401  (re-exported: the schema's names, from one module)
+from taehv_slurm.common.machine import gpu_memory_here, gpus_here
+from taehv_slurm.common.train_config import (  # noqa: F401  (re-exported: the schema's names, from one module)
     TEACHER_KINDS,
     VIDEO_EXTENSIONS,
     BatchConfig,
@@ -37,7 +37,7 @@ from taehv_slurm.train_config import (  # noqa: F401  (re-exported: the schema's
     missing_engine_package,
     missing_tracker_package,
 )
-from taehv_slurm.typed_yaml import ConfigError, check, load_typed
+from taehv_slurm.common.typed_yaml import ConfigError, check, load_typed
 
 # sbatch --signal: "the signal may be sent up to 60 seconds earlier than specified" (slurmctld checks
 # time limits periodically).

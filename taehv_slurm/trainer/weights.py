@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from taehv_slurm.common.runfolder import export_path, write_text_atomic
 from taehv_slurm.runtime.checkpoint import Checkpointer, nonfinite_tensors
-from taehv_slurm.runtime.runfiles import export_path, write_text_atomic
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

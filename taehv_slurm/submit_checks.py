@@ -6,7 +6,7 @@ Each check gives rows (check, PASS | WARN | FAIL | SKIP, detail), every FAIL nam
 - memory:    the plan's memory per rank against the GPU's, and host memory per node against the node's;
 - resume:    the checkpoint a run would resume was trained with the same model and teacher;
 - changed:   each value that differs from the run's last attempt (accepted, with what it changes);
-- data:      the trainer's own readers on a sample of the data (taehv_slurm.trainer.checks, in a process
+- data:      the trainer's own readers on a sample of the data (taehv_slurm.trainer.data_checks, in a process
              of its own within `data_check_budget_s`: the submitting process imports no torch).
 
 `submit_training` runs them and submits nothing when one FAILs (ChecksFailedError: one line per
@@ -25,14 +25,14 @@ from pathlib import Path
 
 from taehv_slurm import container, snapshot
 from taehv_slurm.backends import backend_named
-from taehv_slurm.changes import config_changes, refusals
-from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig
-from taehv_slurm.machine import gpus_here, host_memory_here
-from taehv_slurm.messages import first_line
-from taehv_slurm.plan import GPU_MEMORY_HEADROOM, ScalePlan
+from taehv_slurm.common.changes import config_changes, refusals
+from taehv_slurm.common.config import ClusterConfig, ConfigError, TrainConfig
+from taehv_slurm.common.machine import gpus_here, host_memory_here
+from taehv_slurm.common.messages import first_line
+from taehv_slurm.common.plan import GPU_MEMORY_HEADROOM, ScalePlan
+from taehv_slurm.common.train_config import missing_data_folder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.provenance import read_attempts
-from taehv_slurm.train_config import missing_data_folder
 
 RESULTS = ("PASS", "WARN", "FAIL", "SKIP")
 # Host memory of one rank's process besides what it computes with: python, torch and its libraries
@@ -208,8 +208,8 @@ def data_row(train: TrainConfig, budget_s: float, sample: int = DATA_CHECK_SAMPL
     limit = budget_s + DATA_CHECK_START_S
     skip = "the job checks its data as it starts (check_data_on_submit: false skips this check)"
     try:
-        done = subprocess.run([sys.executable, "-m", "taehv_slurm.trainer.checks"], input=request, env=env,
-                              capture_output=True, text=True, timeout=limit)
+        done = subprocess.run([sys.executable, "-m", "taehv_slurm.trainer.data_checks"], input=request,
+                              env=env, capture_output=True, text=True, timeout=limit)
     except subprocess.TimeoutExpired:
         return Row("data", "WARN", f"the data check did not finish within {limit:.0f} s; {skip}")
     try:

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from taehv_slurm.config import ClusterConfig, ConfigError, TrainConfig, load_train
-from taehv_slurm.messages import command
+from taehv_slurm.common.config import ClusterConfig, ConfigError, TrainConfig, load_train
+from taehv_slurm.common.messages import command
 
 # The engines in the order the plan prefers them when several fit: the fewest collectives and gathers per
 # step first. ZeRO buys no memory worth its cost for an 11 M-parameter model, so the plan takes allreduce

@@ -1,10 +1,11 @@
 """The trainer's data readers on a sample of the dataset, before a job waits in the queue: the same code
 the job will run, so a folder that passes here is one the job can read.
 
-    python -m taehv_slurm.trainer.checks    # {"train": {...}, "sample": 8, "budget_s": 10} on stdin
+    python -m taehv_slurm.trainer.data_checks    # {"train": {...}, "sample": 8, "budget_s": 10} on stdin
 
-`taehv submit` and `taehv preflight` run it in a process of its own (taehv_slurm.checks), so the submitting
-process never imports torch; it prints {"result": PASS|WARN|FAIL|SKIP, "detail": ...} as its last line.
+`taehv submit` and `taehv preflight` run it in a process of its own (taehv_slurm.submit_checks), so the
+submitting process never imports torch; it prints {"result": PASS|WARN|FAIL|SKIP, "detail": ...} as its
+last line.
 Within its budget: a large folder is listed only as far as the budget allows (the sample is then drawn
 from what was listed; the job lists it all), and decoding stops when the budget is spent.
 """
@@ -22,8 +23,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from taehv_slurm.config import VIDEO_EXTENSIONS, TrainConfig, load_train
-from taehv_slurm.messages import one_line
+from taehv_slurm.common.config import VIDEO_EXTENSIONS, TrainConfig, load_train
+from taehv_slurm.common.messages import one_line
 from taehv_slurm.trainer.data import ClipSpec, VideoFolderClips
 from taehv_slurm.trainer.prepared import PreparedClips
 from taehv_slurm.trainer.shapes import SPATIAL_FACTOR, TIME_FACTOR

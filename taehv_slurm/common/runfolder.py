@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from taehv_slurm.security import describe_user
+from taehv_slurm.common.security import describe_user
 
 EVENTS = "events.jsonl"  # a run folder's events (taehv_slurm.runtime.context writes them)
 METRICS = "metrics.jsonl"  # rank 0's metrics, one line per logged step (taehv_slurm.trainer.metrics)

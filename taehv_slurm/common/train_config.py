@@ -1,4 +1,5 @@
-"""The training config's schema: training YAML → `TrainConfig` (loaded by taehv_slurm.config.load_train).
+"""The training config's schema: training YAML → `TrainConfig` (loaded by
+taehv_slurm.common.config.load_train).
 
 Every field with its default and meaning; `TrainConfig.validate` says in one line what is wrong and how to
 fix it. What the data and teacher settings accept is defined here and used by the trainer, preflight and
@@ -14,8 +15,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from taehv_slurm.messages import command
-from taehv_slurm.typed_yaml import check
+from taehv_slurm.common.messages import command
+from taehv_slurm.common.typed_yaml import check
 
 # What the data and teacher settings accept (checked here, used by the trainer, preflight and taehv prepare).
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")

@@ -3,7 +3,7 @@
 Unknown keys are listed all at once with what was probably meant; values are coerced to the field's
 type (YAML reads `2e-4` as text); `--set key=value` overrides apply dotted keys; and when an override
 makes a valid file invalid, the error names that override (as the user typed it) instead of the file.
-The schemas themselves are in taehv_slurm.config.
+The schemas themselves are in taehv_slurm.common.config.
 """
 
 from __future__ import annotations
