@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from taehv_slurm.cli.common import EXIT_DONE, EXIT_FAILED, stop_signal, stopped_exit_code
 from taehv_slurm.common.messages import command
-from taehv_slurm.common.runfolder import export_path
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.goodput import summary as goodput_summary
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.logfollow import LogFollower
@@ -278,7 +278,7 @@ def summary_lines(handle: JobHandle) -> list[str]:
     if (run / "tb").is_dir():
         lines.append(f"tensorboard: tensorboard --logdir {run / 'tb'}")
     if latest is not None and "train" in handle.record:
-        lines.append(f"export:      {command('export')} {run} --out {export_path(run)}")
+        lines.append(f"export:      {command('export')} {run} --out {RunFolder(run).export}")
     return lines
 
 

@@ -1,12 +1,15 @@
-"""The run folder's small files: append-only JSON lines (events, registry, metrics) and atomic text.
+"""The run folder: its names, readers and writers, in one place.
 
-Every reader of a JSON-lines file goes through `EventLog`: `read` takes the whole file, `window` only its
-end (read backwards, block by block), or the stretch before a time found by bisection, so that what a
-status needs costs the same for a run of a hundred lines and one of a million. A damaged line (cut short
-by a kill mid-write, junk bytes, a record without the fields the reader needs) is skipped with one
-warning naming the file and the lines, and the rest is read; a file that belongs to someone other than
-its folder's owner (planted there) is never read. Standard library only: the ranks, the local controller
-and the login node all use it.
+A run folder (`<job_dir>/<run name>/`; a sweep's runs `<job_dir>/<sweep>/<key=value>/`) is the interface
+between the login node, the ranks, the CLI, the notebook and the tools: `RunFolder` names what it holds
+and `JobDir` what lies beside the runs. Every reader of a JSON-lines file goes through `EventLog`: `read`
+takes the whole file, `window` only its end (read backwards, block by block), or the stretch before a time
+found by bisection, so that what a status needs costs the same for a run of a hundred lines and one of a
+million. A damaged line (cut short by a kill mid-write, junk bytes, a record without the fields the reader
+needs) is skipped with one warning naming the file and the lines, and the rest is read; a file that
+belongs to someone other than its folder's owner (planted there) is never read. Every whole-file write
+goes through `write_text_atomic` (fsync, rename, fsync the folder). Standard library only: the ranks, the
+local controller and the login node all use it.
 """
 
 from __future__ import annotations
@@ -20,17 +23,106 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from taehv_slurm.common.security import describe_user
 
-EVENTS = "events.jsonl"  # a run folder's events (taehv_slurm.runtime.context writes them)
+# In a run folder:
+EVENTS = "events.jsonl"  # what happened, as it happened (taehv_slurm.runtime.context, the driver)
 METRICS = "metrics.jsonl"  # rank 0's metrics, one line per logged step (taehv_slurm.trainer.metrics)
+ATTEMPTS = "attempts.jsonl"  # each attempt's config, code and versions (taehv_slurm.runtime.provenance)
+RANKS = "ranks"  # ranks/<rank>.json: each rank's record (taehv_slurm.runtime.ranks)
+CHECKPOINTS = "checkpoints"  # checkpoints/step_<N>/ (taehv_slurm.runtime.checkpoint)
+SUBMITIT = "submitit"  # submitit's pickles and the ranks' logs
+TRACKERS = "trackers.json"  # the W&B / MLflow run ids a resume continues (taehv_slurm.trainer.trackers)
+LOCK = "run.lock"  # one live job per run (taehv_slurm.runtime.runlock)
+# In job_dir, beside the run folders:
+REGISTRY = "registry.jsonl"  # one line per submitted job (taehv_slurm.registry)
+CODE = "code"  # code/<digest>/: the copies of the checkout jobs import (taehv_slurm.snapshot)
 BLOCK = 1 << 16  # bytes read at a time from a file's end
 # Several hosts write a run's events (the ranks, the local controller): a window read backwards stops this
 # many seconds before its start, so that lines a host with a clock behind wrote are still found.
 CLOCK_SKEW_S = 600.0
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """One run's folder: the paths of what it holds, and its JSON-lines files as `EventLog`s."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    @classmethod
+    def of(cls, inside: str | os.PathLike) -> RunFolder:
+        """The run folder of a path in it: the folder itself, its checkpoints/, a step_N folder or its
+        state.pt."""
+        run = Path(inside)
+        run = run.parent if run.name == "state.pt" else run
+        run = run.parent if run.name.startswith("step_") else run
+        return cls(run.parent if run.name == CHECKPOINTS else run)
+
+    def events(self, group_readable: bool | None = None) -> EventLog:
+        return EventLog(self.path / EVENTS, group_readable)
+
+    def metrics(self) -> EventLog:
+        return EventLog(self.path / METRICS)
+
+    def attempts(self) -> EventLog:
+        return EventLog(self.path / ATTEMPTS)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def ranks(self) -> Path:
+        return self.path / RANKS
+
+    def rank_record(self, rank: int) -> Path:
+        return self.path / RANKS / f"{rank}.json"
+
+    @property
+    def submitit(self) -> Path:
+        return self.path / SUBMITIT
+
+    @property
+    def trackers(self) -> Path:
+        return self.path / TRACKERS
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK
+
+    @property
+    def export(self) -> Path:
+        """Where an export writes by default (`taehv export`, `export_weights`): `<run>/<run>.safetensors`,
+        under job_dir, never beside the user's files (nor in a checkout, where git would show it)."""
+        return self.path / f"{self.path.resolve().name}.safetensors"
+
+
+@dataclass(frozen=True)
+class JobDir:
+    """The folder of a cluster config's `job_dir`: the run folders, the registry of jobs, the code copies."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    def run(self, name: str) -> RunFolder:
+        return RunFolder(self.path / name)
+
+    @property
+    def registry(self) -> Path:
+        return self.path / REGISTRY
+
+    @property
+    def code(self) -> Path:
+        return self.path / CODE
 
 
 class RunFileWarning(UserWarning):
@@ -254,12 +346,3 @@ def fsync_dir(path: Path) -> None:
     finally:
         os.close(fd)
 
-
-def export_path(source: Path) -> Path:
-    """Where an export writes by default (`taehv export`, `export_weights`): `<run>/<run>.safetensors` inside
-    the run folder of `source` (a run folder, its checkpoints/, a step_N folder or its state.pt), which is
-    under job_dir, never beside the user's files (nor in a checkout, where git would show it)."""
-    run = source.parent if source.name == "state.pt" else source
-    run = run.parent if run.name.startswith("step_") else run
-    run = run.parent if run.name == "checkpoints" else run
-    return run / f"{run.resolve().name}.safetensors"

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from taehv_slurm.common.runfolder import export_path, write_text_atomic
+from taehv_slurm.common.runfolder import RunFolder, write_text_atomic
 from taehv_slurm.runtime.checkpoint import Checkpointer, nonfinite_tensors
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
 
@@ -88,7 +88,7 @@ def export_weights(source: str | os.PathLike, out: str | os.PathLike | None = No
                    dtype: str = "fp16") -> Exported:
     """Write the student of `source`'s checkpoint to `out` (.pth or .safetensors; default
     `<run>/<run>.safetensors` in its run folder) and `<out>.json`."""
-    out = Path(out) if out else export_path(Path(source))
+    out = Path(out) if out else RunFolder.of(source).export
     if out.suffix not in FORMATS:
         raise ExportError(f"--out {out}: name the file .pth (torch) or .safetensors")
     if dtype not in DTYPES:
