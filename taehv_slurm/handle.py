@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from taehv_slurm import jobstates, slurm
 from taehv_slurm.backends import backend_named
 from taehv_slurm.common.config import ClusterConfig, load_cluster
-from taehv_slurm.common.runfolder import EVENTS, METRICS, EventLog
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.goodput import attempt_rows, frame_of, run_totals
 from taehv_slurm.registry import Registry, run_name
 from taehv_slurm.reports import describe_restart, slow_rank_note
@@ -207,14 +207,14 @@ class JobHandle:
         A run folder can hold several jobs (a run resubmitted under its name resumes it); a job's events
         are those written between its submission and the next submission to the same folder.
         """
-        path = self.run_dir / EVENTS
+        log = RunFolder(self.run_dir).events()
         if run_wide or "submitted_at" not in self.record:
-            return EventLog(path).read()
+            return log.read()
         # Read from the end of the file back to the job's start, and again only once the file changed.
-        key = (_stamp(path), self._time_window())
+        key = (_stamp(log.path), self._time_window())
         if self._events_read is None or self._events_read[0] != key:
             begin, end = key[1]
-            self._events_read = key, EventLog(path).window(since=begin, until=end)
+            self._events_read = key, log.window(since=begin, until=end)
         return list(self._events_read[1])
 
     def _time_window(self) -> tuple[float, float]:
@@ -310,7 +310,7 @@ class JobHandle:
         rows too: an older job's step is its own), read from the end of metrics.jsonl (for an older job,
         from where its successor began)."""
         end = self._time_window()[1] if "submitted_at" in self.record else math.inf
-        for row in reversed(EventLog(self.run_dir / METRICS).window(until=end, limit=8, ordered=True)):
+        for row in reversed(RunFolder(self.run_dir).metrics().window(until=end, limit=8, ordered=True)):
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 return int(row["step"])
         return None
@@ -369,10 +369,10 @@ class JobHandle:
         from taehv_slurm.runtime.checkpoint import Checkpointer
 
         events = self.events()
-        rows = [r for r in (self._recent_rows(events) if recent else EventLog(self.run_dir / METRICS).read())
+        rows = [r for r in (self._recent_rows(events) if recent else RunFolder(self.run_dir).metrics().read())
                 if "loss" in r]
         accounting = self._accounting_records() if self.backend.has_accounting else []
-        final = Checkpointer(self.run_dir / "checkpoints").latest_step()
+        final = Checkpointer(RunFolder(self.run_dir).checkpoints).latest_step()
         spares = int((self.record.get("cluster") or {}).get("spare_nodes") or 0)  # held, idle unless needed
         nodes = int(self.record.get("nodes") or 1)
         ranks_per_node = max(1, int(self.record.get("world_size") or nodes) // nodes)
@@ -380,7 +380,7 @@ class JobHandle:
 
     def _recent_rows(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The last STATUS_LOG_LINES metrics lines of each attempt (from one start event to the next)."""
-        log = EventLog(self.run_dir / METRICS)
+        log = RunFolder(self.run_dir).metrics()
         began = [float(e.get("began") or e["time"]) for e in events if e["event"] == "start"]
         return [row for since, until in zip(began, [*began[1:], math.inf])
                 for row in log.window(since, until, limit=STATUS_LOG_LINES, ordered=True)]
@@ -413,7 +413,7 @@ class JobHandle:
             note = "; ".join([*(f"requeued at step {e['step']} "
                                 f"({killed.get(e.get('segment')) or e['reason']})" for e in requeues),
                               *map(describe_restart, restarts)])
-        recent = EventLog(self.run_dir / METRICS).window(limit=STATUS_LOG_LINES, ordered=True)
+        recent = RunFolder(self.run_dir).metrics().window(limit=STATUS_LOG_LINES, ordered=True)
         if slow := slow_rank_note(recent):
             note = f"{note}; {slow}" if note else slow
         node_h = round(totals["allocated_node_s"] / 3600, 4) if totals else None

@@ -23,9 +23,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from taehv_slurm.common.runfolder import EventLog, parse_line, warn_damaged
+from taehv_slurm.common.runfolder import EventLog, JobDir, parse_line, warn_damaged
 
-REGISTRY = "registry.jsonl"
 REQUIRED = ("job_id", "run_dir", "folder")
 # The head of every line `record_submission` writes (json.dumps: event, time, then the entry's job_id, run,
 # and for a follow-up job the job it follows: taehv_slurm.followup).
@@ -72,7 +71,7 @@ class Registry:
     def load(cls, job_dir: str | os.PathLike) -> Registry:
         """The registry of `job_dir`, as it is now: kept for the process, its file read again only where it
         changed (only what was appended, where it grew). A missing file is an empty registry."""
-        path = Path(job_dir) / REGISTRY
+        path = JobDir(job_dir).registry
         with cls._lock:
             registry = cls._loaded.setdefault(os.path.abspath(path), Registry(path))
             registry.path = path  # as the caller names it, for messages
@@ -235,7 +234,7 @@ def read_registry(job_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 def record_submission(job_dir: str | os.PathLike, entry: Mapping[str, Any], group: str | None = None) -> None:
     """Append one submission; a new registry is readable by `group` (the cluster config's) like the runs."""
-    EventLog(Path(job_dir) / REGISTRY, group_readable=group is not None).write("submitted", **entry)
+    EventLog(JobDir(job_dir).registry, group_readable=group is not None).write("submitted", **entry)
 
 
 def run_name(record: Mapping[str, Any]) -> str:

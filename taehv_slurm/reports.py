@@ -13,11 +13,10 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from taehv_slurm.common.changes import config_changes, flatten
-from taehv_slurm.common.runfolder import METRICS, EventLog, parse_line, warn_damaged
+from taehv_slurm.common.runfolder import EventLog, RunFolder, parse_line, warn_damaged
 from taehv_slurm.registry import read_registry, run_name
 
 if TYPE_CHECKING:
@@ -45,7 +44,7 @@ def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, An
     collecting = gc.isenabled()
     gc.disable()  # 300,000 new dicts would set off the collector again and again, finding nothing to free
     try:
-        frame = pd.DataFrame([*_metrics_rows(Path(run_dir) / METRICS), *rows])
+        frame = pd.DataFrame([*_metrics_rows(RunFolder(run_dir).metrics()), *rows])
     finally:
         if collecting:
             gc.enable()
@@ -61,11 +60,11 @@ def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, An
     return frame[[*METRIC_COLUMNS, *[c for c in frame.columns if c not in METRIC_COLUMNS]]]
 
 
-def _metrics_rows(path: Path) -> list[dict[str, Any]]:
+def _metrics_rows(log: EventLog) -> list[dict[str, Any]]:
     """Every whole line of metrics.jsonl, each with `event` 'val' (it has a val_* value) or 'train'."""
     import orjson
 
-    with EventLog(path)._open() as f:
+    with log._open() as f:
         data = f.read() if f is not None else b""
     rows, damaged = [], []
     for number, raw in enumerate(data.split(b"\n"), 1):
@@ -81,7 +80,7 @@ def _metrics_rows(path: Path) -> list[dict[str, Any]]:
         row["event"] = "val" if b'"val_' in raw and any(k.startswith("val_") for k in row) else "train"
         rows.append(row)
     if damaged:
-        warn_damaged(path, damaged, len(rows))
+        warn_damaged(log.path, damaged, len(rows))
     return rows
 
 

@@ -30,10 +30,10 @@ from pathlib import Path
 import taehv_slurm
 from taehv_slurm.backends import backend_named
 from taehv_slurm.common.config import ClusterConfig, ConfigError
+from taehv_slurm.common.runfolder import JobDir
 from taehv_slurm.common.security import make_private_dir, private_umask
 from taehv_slurm.runtime.provenance import SNAPSHOT_FILE, code_state
 
-SNAPSHOT_DIR = "code"
 SNAPSHOT_LIMIT_BYTES = 512 << 20  # tracked files beyond this are a data set in git, not code to copy
 
 
@@ -57,7 +57,7 @@ class Tree:
 
 
 def snapshot_dir(job_dir: str | os.PathLike, digest: str) -> Path:
-    return Path(os.path.abspath(job_dir)) / SNAPSHOT_DIR / digest
+    return JobDir(os.path.abspath(job_dir)).code / digest
 
 
 def checkout() -> Tree | None:

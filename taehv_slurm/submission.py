@@ -33,6 +33,7 @@ from taehv_slurm import followup, slurm, snapshot
 from taehv_slurm.backends import backend_named, describe_live
 from taehv_slurm.common.config import ClusterConfig, ConfigError
 from taehv_slurm.common.messages import command
+from taehv_slurm.common.runfolder import SUBMITIT, JobDir
 from taehv_slurm.common.security import (
     UnsafePathError,
     check_not_shared_writable,
@@ -45,7 +46,7 @@ from taehv_slurm.common.submitit_api import FailedJobError
 from taehv_slurm.executor import SubmissionError, describe_sbatch_error, make_executor
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.picklecheck import check_picklable
-from taehv_slurm.registry import REGISTRY, Registry, record_submission
+from taehv_slurm.registry import Registry, record_submission
 from taehv_slurm.runs import asked_once
 from taehv_slurm.runtime.rank_backend import RankBackend
 from taehv_slurm.runtime.requeue import RequeueableTask, check_takes_context
@@ -155,12 +156,12 @@ def _submit_to_executor(tasks: Sequence[Callable[..., Any]], run_dirs: list[Path
     base = Path(cluster.job_dir)
     owner = run_dirs[0] if len(tasks) == 1 else run_dirs[0].parent
     created = [p for p in dict.fromkeys((base, owner, *run_dirs)) if not p.exists()]  # outermost first
-    copies = base / snapshot.SNAPSHOT_DIR  # the code copies: one made now goes too (another job's stays)
+    copies = JobDir(base).code  # the code copies: one made now goes too (another job's stays)
     copied_before = set(copies.iterdir()) if copies.is_dir() else set()
     try:
-        for path in dict.fromkeys((base, owner, *run_dirs, owner / "submitit")):
+        folder = owner / SUBMITIT  # the run's; for a sweep, the array's one folder beside its runs
+        for path in dict.fromkeys((base, owner, *run_dirs, folder)):
             make_private_dir(path, cluster.group)
-        folder = owner / "submitit"  # the array's one folder for a sweep
         # what the job's entry point will check: refuse now, not once it runs
         check_safe_to_load(folder, owner)
         extra_env = {**(extra_env or {}), **snapshot.job_env(cluster)}
@@ -220,7 +221,7 @@ def check_job_dir(job_dir: str | os.PathLike) -> None:
                           "folder you can write, on storage every node sees (--set job_dir=DIR)") from None
     if existing == path:  # what make_private_dir refuses, and a registry someone else put there
         check_not_shared_writable(path)
-        registry = path / REGISTRY
+        registry = JobDir(path).registry
         if registry.exists() and registry.stat().st_uid != path.stat().st_uid:
             raise UnsafePathError(f"{registry} belongs to {describe_user(registry.stat().st_uid)}, not to "
                                   "the owner of job_dir (someone else put it there): move it away and check "

@@ -30,6 +30,7 @@ from taehv_slurm.common.config import ClusterConfig, ConfigError, TrainConfig
 from taehv_slurm.common.machine import gpus_here, host_memory_here
 from taehv_slurm.common.messages import first_line
 from taehv_slurm.common.plan import GPU_MEMORY_HEADROOM, ScalePlan
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.common.train_config import missing_data_folder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.provenance import read_attempts
@@ -172,7 +173,7 @@ def resume_rows(run_dir: Path, train: TrainConfig) -> list[Row]:
     """The run's checkpoint against the config (refusals), and what changed since its last attempt."""
     name = run_dir.name
     try:
-        meta = Checkpointer(run_dir / "checkpoints").read_meta() if run_dir.is_dir() else None
+        meta = Checkpointer(RunFolder(run_dir).checkpoints).read_meta() if run_dir.is_dir() else None
     except (OSError, ValueError) as err:
         return [Row("resume", "WARN", f"{name}: its latest checkpoint's meta.json is unreadable ({err}); the "
                                       "job moves that checkpoint aside and resumes from an older one")]

@@ -25,6 +25,7 @@ from taehv_slurm.common.config import (
     missing_tracker_package,
 )
 from taehv_slurm.common.plan import ScalePlan, plan_for_cluster
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.context import grace_seconds
@@ -123,7 +124,7 @@ def check_not_complete(run_dirs: Sequence[Path], trains: Sequence[TrainConfig]) 
     load it and end); RunCompleteError names them and how to train on."""
     done = []
     for run_dir, train in zip(run_dirs, trains):
-        step = Checkpointer(run_dir / "checkpoints").latest_step()
+        step = Checkpointer(RunFolder(run_dir).checkpoints).latest_step()
         if step is not None and step >= train.steps:
             done.append((run_dir, step, train.steps))
     if done:

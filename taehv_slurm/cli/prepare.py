@@ -36,6 +36,7 @@ from taehv_slurm.cli.common import (
 )
 from taehv_slurm.common.config import ClusterConfig, ConfigError, split_overrides
 from taehv_slurm.common.messages import command
+from taehv_slurm.common.runfolder import JobDir
 from taehv_slurm.common.security import make_private_dir
 from taehv_slurm.common.typed_yaml import parse_set_args
 from taehv_slurm.executor import SubmissionError, sbatch_preview
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{settings.shard_size} per shard; teacher "
                   f"{settings.teacher_kind} {settings.teacher_path} (windows are counted when you submit)")
         if backend_named(cluster.backend).writes_sbatch_script:
-            folder = Path(cluster.job_dir) / run_name / "submitit"
+            folder = JobDir(cluster.job_dir).run(run_name).submitit
             print(f"\nsbatch script ({folder}/):\n{sbatch_preview(cluster, folder)}")
         return 0
 

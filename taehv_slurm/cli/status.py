@@ -19,6 +19,7 @@ import sys
 
 from taehv_slurm.cli.common import add_job_dir, one_line_errors
 from taehv_slurm.common.messages import command
+from taehv_slurm.common.runfolder import REGISTRY
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.registry import Registry
 from taehv_slurm.reports import render
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = args.job_ids or Registry.load(args.job_dir).job_ids()
     handles = [JobHandle.attach(i, args.job_dir) for i in (ids if args.job_ids or args.all else ids[-20:])]
     if not handles:
-        print(f"no runs in {os.path.join(args.job_dir, 'registry.jsonl')} yet")
+        print(f"no runs in {os.path.join(args.job_dir, REGISTRY)} yet")
         return 0
     if not (args.goodput or args.accounting) and args.format == "table":
         print(status_table(handles))  # text only: no pandas

@@ -35,6 +35,7 @@ from taehv_slurm.cli.common import (
 from taehv_slurm.common.config import ClusterConfig, ConfigError, TrainConfig, load_train, split_overrides
 from taehv_slurm.common.messages import command
 from taehv_slurm.common.plan import ScalePlan, plan_for_cluster
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.common.security import describe_secret_env
 from taehv_slurm.common.typed_yaml import parse_set_args
 from taehv_slurm.executor import sbatch_preview
@@ -177,8 +178,9 @@ def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict]
               + ", ".join(str(run_dir / point_name(p)) for p in sweep))
     if backend_named(cluster.backend).writes_sbatch_script:
         env = {**(plans[0].nccl_env if plans else {}), **snapshot.job_env(cluster, copy=False)}
-        script = sbatch_preview(cluster, run_dir / "submitit", env, run_dir, array_size=len(trains))
-        print(f"\nsbatch script ({run_dir}/submitit/):\n{script}")
+        folder = RunFolder(run_dir).submitit  # a sweep's: the array's one folder beside its runs
+        script = sbatch_preview(cluster, folder, env, run_dir, array_size=len(trains))
+        print(f"\nsbatch script ({folder}/):\n{script}")
     if checks:
         print(f"\nchecks:\n{table(checks)}")
     if any(r.detail.startswith(NOT_CHECKED) for r in checks):

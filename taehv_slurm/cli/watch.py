@@ -39,7 +39,7 @@ class MetricsTail:
     grows, except when a resumed run drops the lines past its checkpoint: then it is read again)."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = RunFolder(run_dir).metrics().path
         self.position = 0
         self.first: dict[str, Any] | None = None
         self.train: dict[str, Any] | None = None
@@ -270,15 +270,15 @@ def summary_lines(handle: JobHandle) -> list[str]:
                  f"requeued {requeues}×")
     if "train" in handle.record:
         lines.append(goodput_summary(handle.goodput()))
-    run = handle.run_dir
-    latest = Checkpointer(run / "checkpoints").latest_step()
+    run = RunFolder(handle.run_dir)
+    latest = Checkpointer(run.checkpoints).latest_step()
     if latest is not None:
-        lines.append(f"checkpoint:  {run / 'checkpoints' / f'step_{latest:08d}'}")
-    lines.append(f"metrics:     {run / 'metrics.jsonl'} (JobHandle.metrics() reads it as a DataFrame)")
-    if (run / "tb").is_dir():
-        lines.append(f"tensorboard: tensorboard --logdir {run / 'tb'}")
+        lines.append(f"checkpoint:  {run.checkpoints / f'step_{latest:08d}'}")
+    lines.append(f"metrics:     {run.metrics().path} (JobHandle.metrics() reads it as a DataFrame)")
+    if (run.path / "tb").is_dir():
+        lines.append(f"tensorboard: tensorboard --logdir {run.path / 'tb'}")
     if latest is not None and "train" in handle.record:
-        lines.append(f"export:      {command('export')} {run} --out {RunFolder(run).export}")
+        lines.append(f"export:      {command('export')} {run.path} --out {run.export}")
     return lines
 
 

@@ -22,7 +22,7 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -40,7 +40,9 @@ TRACKERS = "trackers.json"  # the W&B / MLflow run ids a resume continues (taehv
 LOCK = "run.lock"  # one live job per run (taehv_slurm.runtime.runlock)
 # In job_dir, beside the run folders:
 REGISTRY = "registry.jsonl"  # one line per submitted job (taehv_slurm.registry)
-CODE = "code"  # code/<digest>/: the copies of the checkout jobs import (taehv_slurm.snapshot)
+# code/<digest>/: the copies of the checkout jobs import (taehv_slurm.snapshot); in a run folder,
+# code/<job>_<restart>.diff: a dirty tree's changes (taehv_slurm.runtime.provenance)
+CODE = "code"
 BLOCK = 1 << 16  # bytes read at a time from a file's end
 # Several hosts write a run's events (the ranks, the local controller): a window read backwards stops this
 # many seconds before its start, so that lines a host with a clock behind wrote are still found.
@@ -98,6 +100,11 @@ class RunFolder:
         return self.path / LOCK
 
     @property
+    def code(self) -> Path:
+        """code/<job>_<restart>.diff: the uncommitted changes each attempt ran with."""
+        return self.path / CODE
+
+    @property
     def export(self) -> Path:
         """Where an export writes by default (`taehv export`, `export_weights`): `<run>/<run>.safetensors`,
         under job_dir, never beside the user's files (nor in a checkout, where git would show it)."""
@@ -142,9 +149,14 @@ class EventLog:
         self.group_readable = group_readable
 
     def write(self, event: str, **fields: Any) -> None:
+        """Append one event: `event` and `time` (now) first, then `fields`."""
+        self.append({"event": event, "time": time.time(), **fields})
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Append `record` as one whole line, as it is (metrics lines have no `event`), durably (fsync)."""
         # Strict JSON for every reader: a NaN or infinity is written as null.
-        fields = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in fields.items()}
-        line = json.dumps({"event": event, "time": time.time(), **fields}, default=str, allow_nan=False)
+        record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+        line = json.dumps(record, default=str, allow_nan=False)
         shared = (self.group_readable if self.group_readable is not None
                   else bool(os.environ.get("TAEHV_SHARED_GROUP")))
         mode = 0o640 if shared else 0o600

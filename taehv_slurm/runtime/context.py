@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from taehv_slurm.common.messages import command
-from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.common.security import make_private_dir
 from taehv_slurm.runtime.distenv import DistEnv
 from taehv_slurm.runtime.provenance import record_attempt
@@ -180,7 +180,7 @@ class RunContext:
         self.stop = stop
         self.segment = segment
         self.backend = backend
-        self.events = EventLog(run_dir / "events.jsonl")
+        self.events = RunFolder(run_dir).events()
         self._agreement = _FlagAgreement()
         self.start_step: int | None = None
         self.start_time = self.began = time.time()

@@ -24,9 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from taehv_slurm.common.runfolder import EventLog, write_text_atomic
+from taehv_slurm.common.runfolder import RunFolder, write_text_atomic
 
-ATTEMPTS_FILE = "attempts.jsonl"
 SNAPSHOT_FILE = ".taehv-snapshot.json"  # atop the copy of the code a job runs (taehv_slurm.snapshot)
 DIFF_LIMIT_BYTES = 4 << 20  # a larger diff is cut there (and says so): it is a record, not a patch store
 GIT_TIMEOUT_S = 10
@@ -42,7 +41,7 @@ def record_attempt(run_dir: str | os.PathLike, job_id: str, restart: int, segmen
     code = code_state(Path(__file__).resolve().parents[1])
     diff = code.pop("diff", "")
     if diff:
-        folder = run_dir / "code"
+        folder = RunFolder(run_dir).code
         folder.mkdir(exist_ok=True)
         path = folder / f"{job_id}_{restart}.diff"
         write_text_atomic(path, diff, 0o600)
@@ -50,13 +49,13 @@ def record_attempt(run_dir: str | os.PathLike, job_id: str, restart: int, segmen
     record = {"job_id": str(job_id), "restart": restart, "segment": segment, "step": step, "hosts": hosts(),
               "code": code, "versions": versions(), "config": dict(config or {}),
               **({"network": dict(network)} if network else {})}
-    EventLog(run_dir / ATTEMPTS_FILE).write("attempt", **record)
+    RunFolder(run_dir).attempts().write("attempt", **record)
     return record
 
 
 def read_attempts(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Every attempt's record, oldest first ([] for a run that never started, or of an older release)."""
-    return [e for e in EventLog(Path(run_dir) / ATTEMPTS_FILE).read() if e.get("event") == "attempt"]
+    return [e for e in RunFolder(run_dir).attempts().read() if e.get("event") == "attempt"]
 
 
 def commit_label(attempts: Sequence[Mapping[str, Any]]) -> str | None:

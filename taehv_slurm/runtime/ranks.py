@@ -20,12 +20,9 @@ import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from taehv_slurm.common.runfolder import write_text_atomic
-
-RANKS_DIR = "ranks"
+from taehv_slurm.common.runfolder import RunFolder, write_text_atomic
 
 
 def node_name() -> str:
@@ -57,7 +54,7 @@ class RankFile:
     def __init__(self, run_dir: str | os.PathLike, job_id: str, restart: int, rank: int,
                  world_size: int, launch: int = 0) -> None:
         now = time.time()
-        self.path = Path(run_dir) / RANKS_DIR / f"{rank}.json"
+        self.path = RunFolder(run_dir).rank_record(rank)
         self.record = RankRecord(str(job_id), restart, rank, world_size, node_name(), os.getpid(), now, now,
                                  since=now, launch=launch)
         self._lock = threading.Lock()
@@ -91,7 +88,7 @@ def read_ranks(run_dir: str | os.PathLike, job_id: str, restart: int, launch: in
                rank: int | None = None) -> list[dict[str, Any]]:
     """The records of job `job_id`'s attempt `restart`, its job step `launch`, by rank (records of other
     attempts and steps are left out); only `rank`'s where given."""
-    folder = Path(run_dir) / RANKS_DIR
+    folder = RunFolder(run_dir).ranks
     records = []
     paths = [folder / f"{rank}.json"] if rank is not None else sorted(folder.glob("*.json"))
     for path in paths if folder.is_dir() else ():

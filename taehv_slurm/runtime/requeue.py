@@ -35,7 +35,7 @@ from typing import Any
 import submitit
 
 from taehv_slurm.common.messages import one_line
-from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.runfolder import EventLog, RunFolder
 from taehv_slurm.common.security import make_private_dir
 from taehv_slurm.runtime import signals
 from taehv_slurm.runtime.checkpoint import Checkpointer
@@ -141,7 +141,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             raise
 
     def _run(self, run_dir: Path, env: DistEnv, stop: StopFlag, watchdog: Watchdog) -> Any:
-        events = EventLog(run_dir / "events.jsonl")
+        events = RunFolder(run_dir).events()
         missing = self.backend.cannot_requeue_reason(socket.gethostname()) if env.rank == 0 else None
         if missing:
             events.write("failure", segment=None, rank=0, step=None,
@@ -193,7 +193,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
 
     @staticmethod
     def _saved_step(run_dir: Path) -> int:
-        return Checkpointer(run_dir / "checkpoints").latest_step() or 0
+        return Checkpointer(RunFolder(run_dir).checkpoints).latest_step() or 0
 
     def stop_reason(self, events: EventLog, run_dir: Path, job_id: str, segment: int | None) -> str | None:
         """The guards a restart or requeue would apply (so a hopeless job is not restarted just to stop):
@@ -255,7 +255,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         then the backend's requeue (without the `exclude` nodes). Returns the event recorded."""
         if self.stop_reason(events, run_dir, job_id, segment):
             return "stopped"
-        saved = Checkpointer(run_dir / "checkpoints").read_meta()
+        saved = Checkpointer(RunFolder(run_dir).checkpoints).read_meta()
         lost = round(time.time() - max(saved["saved_at"] if saved else 0.0, since), 1)
         fields = {"segment": segment, "reason": reason, "step": saved["step"] if saved else 0,
                   "failed_at_step": failed_at, "signal_to_saved_s": None, "seconds_lost": lost,
@@ -308,7 +308,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         if status == 0:
             return 0
         run_dir, (job_id, restart) = Path(self.run_dir), attempt_of_environ()
-        events = EventLog(run_dir / "events.jsonl")
+        events = RunFolder(run_dir).events()
         history, records = events.read(), read_ranks(run_dir, job_id, restart)
         began = min((r["started"] for r in records), default=time.time())
         this_attempt = [e for e in history if e.get("job_id") == job_id and e.get("time", 0) >= began]

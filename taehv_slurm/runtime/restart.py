@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.runfolder import EventLog, RunFolder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.distenv import attempt_of_environ
 from taehv_slurm.runtime.guards import is_hardware_fault
@@ -52,7 +52,7 @@ def after_step(task: RequeueableTask, status: int, last_error: str) -> int:
     """The batch script's answer once a step of the ranks ended with srun's `status`: RESTART_EXIT_CODE to
     start the ranks again (their placement written for the script), else the job's exit status."""
     run_dir, (job_id, restart), launch = Path(task.run_dir), attempt_of_environ(), launch_number()
-    events = EventLog(run_dir / "events.jsonl")
+    events = RunFolder(run_dir).events()
     history, records = events.read(), read_ranks(run_dir, job_id, restart, launch)
     since = step_began(history, records, job_id, restart, launch)
     window = [e for e in history if e.get("job_id") == job_id and e.get("time", 0) >= since]
@@ -143,7 +143,7 @@ def restart_or_requeue(task: RequeueableTask, events: EventLog, run_dir: Path, j
         event = task._requeue_or_stop(events, run_dir, job_id, segment, fault["cause"], fault["step"], now,
                                       since=fault["time"])
         return FOLLOW_UP_EXIT_CODE if event == "requeue" and handed_over(events.read()[-1:]) else status
-    saved = Checkpointer(run_dir / "checkpoints").read_meta()
+    saved = Checkpointer(RunFolder(run_dir).checkpoints).read_meta()
     tasks_per_node = task.placement.tasks_per_node
     released = task.backend.release_nodes(job_id, before + now) if before + now else {}
     events.write("restart", segment=segment, cause=fault["cause"], step=saved["step"] if saved else 0,

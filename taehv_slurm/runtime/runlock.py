@@ -15,13 +15,11 @@ import json
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 from taehv_slurm.common.messages import command
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.runtime.rank_backend import RankBackend
-
-LOCK_NAME = "run.lock"
 
 
 class RunLockedError(RuntimeError):
@@ -33,7 +31,7 @@ class RunLock:
     lives."""
 
     def __init__(self, run_dir: str | os.PathLike, job_id: str, backend: RankBackend) -> None:
-        self.path = Path(run_dir) / LOCK_NAME
+        self.path = RunFolder(run_dir).lock
         self.job_id, self.backend = str(job_id), backend
 
     def acquire(self) -> None:
@@ -77,7 +75,7 @@ def lock_holder(run_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The record of the job holding `run_dir`'s lock; None when free, {} when unreadable (counts as
     ended)."""
     try:
-        return json.loads((Path(run_dir) / LOCK_NAME).read_text())
+        return json.loads(RunFolder(run_dir).lock.read_text())
     except FileNotFoundError:
         return None
     except (json.JSONDecodeError, OSError):

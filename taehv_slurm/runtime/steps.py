@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from taehv_slurm.common.runfolder import write_text_atomic
 from taehv_slurm.runtime.distenv import expand_nodelist, slurm_job_id
 
 LAUNCH_ENV = "TAEHV_LAUNCH"  # 0 for the allocation's first step, +1 for each restart inside it
@@ -84,10 +85,8 @@ def args_path(folder: str | os.PathLike, job_id: str) -> Path:
 
 
 def write_step(folder: str | os.PathLike, job_id: str, placement: Placement, nodes: Sequence[str]) -> None:
-    path = args_path(folder, job_id)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(placement.srun_args(nodes) + "\n")
-    os.replace(tmp, path)
+    # whole or not at all: the batch script reads it with $(cat ...) the moment this step ends
+    write_text_atomic(args_path(folder, job_id), placement.srun_args(nodes) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

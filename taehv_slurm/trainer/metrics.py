@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.trainer.engine import StepMetrics
 from taehv_slurm.trainer.stragglers import FIGURES, StepClock, device_anchor
 from taehv_slurm.trainer.trackers import Trackers
@@ -118,7 +119,8 @@ class MetricsWriter:
         self.enabled = enabled
         self.trackers = trackers  # W&B / MLflow (rank 0), fed the same tags as TensorBoard
         self.run_dir = run_dir
-        self.path = run_dir / "metrics.jsonl"
+        self.log = RunFolder(run_dir).metrics()
+        self.path = self.log.path
         self.samples_path = run_dir / "samples.jsonl"
         self.bar = None
         self.total = total
@@ -155,8 +157,7 @@ class MetricsWriter:
         values = {k: finite_or_none(v) for k, v in values.items()}
         row = {"step": step, "time": time.time(),
                **({f"val_{k}": v for k, v in values.items()} if prefix == "val" else values)}
-        with self.path.open("a") as f:
-            f.write(json.dumps(row, allow_nan=False) + "\n")  # strict JSON: a non-finite value is null
+        self.log.append(row)
         scalars = self.tagged(values, prefix)
         for tag, value in scalars.items():
             self.tb.add_scalar(tag, value, step)

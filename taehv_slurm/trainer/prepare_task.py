@@ -14,7 +14,6 @@ agree on the unfinished shards, take every world_size-th one, and check for sign
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import os
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from taehv_slurm.common.config import RuntimeSettings
 from taehv_slurm.common.messages import one_line, rank_logger
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.runtime.signals import ignore_in_worker
 from taehv_slurm.trainer.manifest import Manifest, open_clips
 from taehv_slurm.trainer.shapes import SPATIAL_FACTOR, TIME_FACTOR
@@ -318,5 +318,4 @@ class _Worker:
         elapsed = time.perf_counter() - began
         row = {"step": done, "time": time.time(), "shards": manifest.num_shards,
                "shards_per_second": processed / elapsed if elapsed > 0 and processed else None}
-        with open(self.ctx.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        RunFolder(self.ctx.run_dir).metrics().append(row)

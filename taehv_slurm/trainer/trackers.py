@@ -32,9 +32,8 @@ from typing import Any
 
 from taehv_slurm.common.changes import flatten
 from taehv_slurm.common.config import TrackingConfig
-from taehv_slurm.common.runfolder import write_text_atomic
+from taehv_slurm.common.runfolder import RunFolder, write_text_atomic
 
-IDS_FILE = "trackers.json"
 log = logging.getLogger("taehv")
 
 
@@ -42,7 +41,7 @@ class Trackers:
     """The tracker runs of one training run (none when the config turns none on)."""
 
     def __init__(self, cfg: TrackingConfig, run_dir: Path, name: str, config: Mapping[str, Any]) -> None:
-        self.path = Path(run_dir) / IDS_FILE
+        self.path = RunFolder(run_dir).trackers
         ids = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.wandb = self.mlflow = None
         # A tracker that cannot start (its server unreachable, its package missing) is dropped like one

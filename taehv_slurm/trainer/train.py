@@ -30,6 +30,7 @@ import torch.distributed as dist
 from taehv_slurm.common.config import RuntimeSettings, TrainConfig, load_train
 from taehv_slurm.common.messages import command, rank_logger
 from taehv_slurm.common.plan import ScalePlan, plan_for
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.runtime import network
 from taehv_slurm.runtime.checkpoint import Checkpointer, nonfinite_tensors
 from taehv_slurm.runtime.context import FatalTaskError, RunContext
@@ -108,7 +109,8 @@ class Trainer:
         self.step_samples: list[int] = []  # this rank's clip indices of the current step (record_samples)
         self.data_offset = 0  # optimizer steps of data passed by rollbacks (saved with each checkpoint)
         self.rollbacks = 0
-        self.checkpoints = Checkpointer(self.run_dir / "checkpoints", keep=cfg.intervals.keep_checkpoints,
+        self.checkpoints = Checkpointer(RunFolder(self.run_dir).checkpoints,
+                                        keep=cfg.intervals.keep_checkpoints,
                                         group=os.environ.get("TAEHV_SHARED_GROUP") or None,
                                         trust_root=self.run_dir)
 

@@ -56,7 +56,7 @@ def checkpoint_of(source: str | os.PathLike) -> tuple[Checkpointer, int]:
     if path.name.startswith("step_") and (path / "meta.json").is_file():
         return (Checkpointer(path.parent, trust_root=path.parent),
                 int(path.name.removeprefix("step_").split(".")[0]))
-    for folder in (path / "checkpoints", path):
+    for folder in (RunFolder(path).checkpoints, path):
         checkpoints = Checkpointer(folder, trust_root=folder)
         step = checkpoints.latest_step()
         if step is not None:
