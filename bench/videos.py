@@ -1,4 +1,4 @@
-"""Write small real video files with PyAV for the data tests.
+"""Write small real video files with PyAV, for the data tests and the bench scripts (bench/submit_checks.py).
 
 Frame k of a solid-pattern video is one flat color that encodes k (``frame_color``), so a decoded
 window can be checked for frame order after lossy coding.
