@@ -17,7 +17,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.faults import wait_for
+# The fault tools live with the benchmarks that also inflict them (bench/ never imports tests/); tests
+# import them from here as well.
+from bench.faults import children, rank_record, slowed_down, wait_for  # noqa: F401
 from taehv_slurm.common.config import ClusterConfig, TrainConfig, load_cluster, load_train
 from taehv_slurm.common.runfolder import EventLog, RunFileWarning, RunFolder
 from taehv_slurm.runtime.checkpoint import Checkpointer
