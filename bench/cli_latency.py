@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import statistics
@@ -42,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import code_version, write_results  # noqa: E402
+from taehv_slurm.common.runfolder import EventLog, JobDir  # noqa: E402
 from taehv_slurm.slurm import no_slurm_reason  # noqa: E402
 
 ENV = dict(os.environ)  # the commands' environment (main() sets where Python keeps bytecode)
@@ -75,8 +75,7 @@ def make_job_dir(job_dir: Path, smoke: bool) -> str:
                               timeout=600)
         if done.returncode:
             sys.exit(f"making the job folder failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    last = (job_dir / "registry.jsonl").read_text().splitlines()[-1]
-    return json.loads(last)["job_id"]
+    return EventLog(JobDir(job_dir).registry).read()[-1]["job_id"]
 
 
 def timed(argv: list[str], code: int = 0) -> float:

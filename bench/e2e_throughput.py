@@ -45,6 +45,7 @@ from bench._record import run_info, write_results  # noqa: E402
 from bench.prepare_throughput import write_h264  # noqa: E402
 from taehv_slurm.common.config import load_train  # noqa: E402
 from taehv_slurm.common.plan import plan_for  # noqa: E402
+from taehv_slurm.common.runfolder import JobDir, RunFolder  # noqa: E402
 from taehv_slurm.goodput import goodput_frame  # noqa: E402
 from taehv_slurm.trainer.data import ClipSpec, SyntheticClips  # noqa: E402
 
@@ -237,8 +238,7 @@ def measure_source(source: str, args: argparse.Namespace, work: Path, prepared: 
             "--train", str(SHIPPED), "--name", name,
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
     out = run(argv, work / f"{name}.log", args.timeout)
-    metrics = work / "runs" / name / "metrics.jsonl"
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    lines = JobDir(work / "runs").run(name).metrics().read()
     # The plan the run had: the shipped config with the same overrides (a "[..]" value is a YAML list).
     train_cfg = load_train(load_train(SHIPPED).to_dict(),
                            **{k: (json.loads(v) if isinstance(v, str) and v.startswith("[") else v)
@@ -285,7 +285,7 @@ def start_figures(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any
     """Job start (the rank's process) to the first training step, and to the loop's start before it
     (imports, rendezvous, build, restore; the rest is the first step with its compilation), as the run's
     goodput table (`jobs.status --goodput`) gives them for its first attempt; and the last logged MFU."""
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = RunFolder(run_dir).events().read()
     attempts = goodput_frame(events, [r for r in metrics if "loss" in r], nodes=1, final_step=None)
     first = attempts.head(1).to_dict("records")[0] if len(attempts) else {}
 
@@ -302,10 +302,11 @@ def prepare_figures(job_dir: Path) -> dict[str, Any]:
     windows of the later shards over the wall time from the first shard written to the last; not over the
     sum of the shards' own seconds, which counts each shard's write twice: it overlaps the next shard's
     encoding)."""
-    runs = sorted(job_dir.glob("prepare-*/events.jsonl"), key=lambda p: p.stat().st_mtime)
+    runs = sorted((log for d in job_dir.glob("prepare-*") if (log := RunFolder(d).events()).path.exists()),
+                  key=lambda log: log.path.stat().st_mtime)
     if not runs:
         return {}
-    events = [json.loads(line) for line in runs[-1].read_text().splitlines()]
+    events = runs[-1].read()
     start = next(e for e in events if e["event"] == "start")
     shards = [e for e in events if e["event"] == "shard"]
     later = shards[1:]

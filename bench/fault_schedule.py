@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import code_version, write_results  # noqa: E402
-from tests.helpers import slowed_down  # noqa: E402
+from bench.faults import slowed_down  # noqa: E402
+from taehv_slurm.common.runfolder import RunFolder  # noqa: E402
 
 TRAIN = {"steps": 1_000_000, "teacher.kind": "none", "data.height": 32, "data.width": 32,
          "intervals.log_every": 5, "intervals.ckpt_every": 20, "intervals.val_every": 1_000_000}
@@ -60,7 +61,7 @@ def submit(name: str, job_dir: Path, extra: dict[str, Any]) -> str:
 
 def ranks(run_dir: Path) -> list[dict[str, Any]]:
     found = []
-    for path in sorted((run_dir / "ranks").glob("*.json")):
+    for path in sorted(RunFolder(run_dir).ranks.glob("*.json")):
         try:
             found.append(json.loads(path.read_text()))
         except (OSError, ValueError):
@@ -71,8 +72,7 @@ def ranks(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def job_of(run_dir: Path) -> str:
-    starts = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
-              if '"start"' in line]
+    starts = [e for e in RunFolder(run_dir).events().read() if e.get("event") == "start"]
     return starts[-1]["job_id"]
 
 
@@ -106,7 +106,7 @@ def main() -> None:
     job_dir = args.work / f"runs-{time.strftime('%H%M%S')}"
     jobs = {name: submit(name, job_dir, extra) for name, extra in RUNS.items()}
     runs = {name: job_dir / name for name in RUNS}
-    while not all((d / "events.jsonl").exists() and '"first_step"' in (d / "events.jsonl").read_text()
+    while not all(any(e.get("event") == "first_step" for e in RunFolder(d).events().read())
                   for d in runs.values()):
         time.sleep(2)
     began, done = time.monotonic(), []

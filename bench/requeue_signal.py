@@ -26,6 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from taehv_slurm.common.runfolder import RunFolder  # noqa: E402
+
 WORKER = """
 import sys, json
 from taehv_slurm.runtime.requeue import RequeueableTask
@@ -50,16 +52,12 @@ def launch(world: int, train: dict, runtime: dict, run_dir: Path, port: int,
 
 
 def last_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    steps = [r["step"] for r in rows if "loss" in r]
+    steps = [r["step"] for r in RunFolder(run_dir).metrics().read() if "loss" in r]
     return steps[-1] if steps else 0
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [r for r in rows if r["event"] == kind]
+    return [r for r in RunFolder(run_dir).events().read() if r["event"] == kind]
 
 
 def parse_args() -> argparse.Namespace:
@@ -113,8 +111,7 @@ def signal_run(mode: str, args: argparse.Namespace, base: dict, runtime: dict, t
     log0 = (tmp_path / f"{mode}.rank0.log").read_text()
     saved = r"checkpoint step \d+ (?:saved|handed to the writer) in ([\d.]+) s"
     saves = [float(s) for s in re.findall(saved, log0)]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [r["time"] for r in rows if "loss" in r]
+    times = [r["time"] for r in RunFolder(run_dir).metrics().read() if "loss" in r]
     step_s = (times[-1] - times[2]) / max(1, len(times) - 3) if len(times) > 4 else float("nan")
     return {
         "gpus": args.gpus, "saved_step": requeue[0]["step"] if requeue else None,

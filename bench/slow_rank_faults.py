@@ -39,7 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
-from tests.helpers import children, rank_record, slowed_down, wait_for  # noqa: E402
+from bench.faults import children, rank_record, slowed_down, wait_for  # noqa: E402
+from taehv_slurm.common.runfolder import RunFolder  # noqa: E402
 
 FAULTS = ("host", "data", "GPU", "none")
 TINY = {"teacher.kind": "none", "data.height": 32, "data.width": 32, "intervals.log_every": 2,
@@ -61,11 +62,6 @@ def cluster_file(work: Path, args: argparse.Namespace, fault: str) -> Path:
                     + ("torch_threads: 1\n" if args.smoke else "")
                     + (f"env:\n  TAEHV_TEST_EXTRA_COMPUTE: '{extra}'\n" if fault == "GPU" else ""))
     return path
-
-
-def rows_of(run_dir: Path, name: str) -> list[dict[str, Any]]:
-    path = run_dir / name
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def log_every(args: argparse.Namespace) -> int | None:
@@ -116,7 +112,7 @@ def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     try:
         record = wait_for(lambda: ((r := rank_record(run_dir, victim)).get("step") or 0) >= args.fault_step
                           and r, args.timeout, "the run to reach --fault-step")
-        began, before = time.time(), max([r["step"] for r in rows_of(run_dir, "metrics.jsonl")], default=0)
+        began, before = time.time(), max([r["step"] for r in RunFolder(run_dir).metrics().read()], default=0)
         pids = children(record["pid"]) if fault == "data" else [record["pid"]]
         cycle = {"host": args.host_cycle, "data": args.data_cycle}.get(fault)
         if args.smoke and cycle:
@@ -124,7 +120,7 @@ def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         with slowed_down(pids, *cycle) if cycle else contextlib.nullcontext():
             time.sleep(args.fault_s)
         ended = time.time()
-        wait_for(lambda: [r for r in rows_of(run_dir, "metrics.jsonl") if r.get("time", 0) > ended + 1],
+        wait_for(lambda: [r for r in RunFolder(run_dir).metrics().read() if r.get("time", 0) > ended + 1],
                  args.timeout, "a log window after the fault")
     finally:
         job = re.search(r"submitted job (\S+):", (work / f"{name}.log").read_text())
@@ -137,8 +133,8 @@ def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any
 
 def verdict(fault: str, run_dir: Path, began: float, ended: float, before: int) -> dict[str, Any]:
     """What the run recorded about the fault: the first slow_rank event, its timing, clips/s."""
-    windows = [r for r in rows_of(run_dir, "metrics.jsonl") if "samples_per_second" in r]
-    named = [e for e in rows_of(run_dir, "events.jsonl") if e["event"] == "slow_rank"]
+    windows = [r for r in RunFolder(run_dir).metrics().read() if "samples_per_second" in r]
+    named = [e for e in RunFolder(run_dir).events().read() if e["event"] == "slow_rank"]
     first = named[0] if named else {}
     at = min((r["step"] for r in windows if r.get("slow_ranks")), default=None)
 

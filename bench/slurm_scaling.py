@@ -37,6 +37,7 @@ from bench._record import run_info, write_results  # noqa: E402
 from bench.e2e_throughput import make_teacher, make_videos, prepare_figures, steady  # noqa: E402
 from taehv_slurm.common.config import load_cluster, load_train, split_overrides  # noqa: E402
 from taehv_slurm.common.plan import plan_for_cluster  # noqa: E402
+from taehv_slurm.common.runfolder import RunFolder  # noqa: E402
 from taehv_slurm.common.typed_yaml import parse_set_args  # noqa: E402
 
 SHIPPED = REPO / "configs/train/taehv.yaml"
@@ -79,7 +80,7 @@ class RankEnviron(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(1.0):
-            for record in (self.run_dir / "ranks").glob("*.json"):
+            for record in RunFolder(self.run_dir).ranks.glob("*.json"):
                 try:
                     info = json.loads(record.read_text())
                     raw = Path(f"/proc/{info['pid']}/environ").read_bytes().decode(errors="replace")
@@ -94,7 +95,7 @@ class RankEnviron(threading.Thread):
 def transports(run_dir: Path) -> dict[str, int]:
     """How many NCCL channel connections each transport carries, from the ranks' NCCL_DEBUG=INFO lines."""
     counts: dict[str, int] = {}
-    for log in (run_dir / "submitit").glob("*_log.out"):
+    for log in RunFolder(run_dir).submitit.glob("*_log.out"):
         for match in TRANSPORT.finditer(log.read_text(errors="replace")):
             kind = match.group(5).split("/")[0] + ("/" + match.group(5).split("/")[1]
                                                    if match.group(5).startswith("NET") else "")
@@ -119,8 +120,7 @@ def measure(shape: tuple[int, int], engine: str, args: argparse.Namespace, prepa
                           args.work / f"{name}.log", args.timeout)
     watcher.stop.set()
     run_dir = job_dir / name
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()] \
-        if (run_dir / "metrics.jsonl").exists() else []
+    rows = RunFolder(run_dir).metrics().read()
     cluster_sets, train_sets = split_overrides(parse_set_args(sets(overrides)[1::2]))
     cluster = load_cluster(args.cluster, nodes=nodes, gpus_per_node=gpus, **cluster_sets)
     train = load_train(SHIPPED, **train_sets)

@@ -42,6 +42,15 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import code_version, write_results  # noqa: E402
+from taehv_slurm.common.runfolder import (  # noqa: E402
+    ATTEMPTS,
+    EVENTS,
+    METRICS,
+    SUBMITIT,
+    EventLog,
+    JobDir,
+    RunFolder,
+)
 
 LONG = "long-run"  # the run with the long metrics file (the newest in the registry)
 METRICS_ROWS_FOR_FRAME = 300_000  # JobHandle.metrics()'s goal: this many rows in <= 1.5 s
@@ -56,33 +65,33 @@ def real_run(work: Path) -> tuple[dict[str, Any], Path]:
                           timeout=600)
     if done.returncode:
         sys.exit(f"the real run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    record = json.loads((job_dir / "registry.jsonl").read_text().splitlines()[-1])
-    return record, job_dir / "tiny"
+    record = EventLog(JobDir(job_dir).registry).read()[-1]
+    return record, JobDir(job_dir).run("tiny").path
 
 
 def copy_run(real: Path, record: dict[str, Any], job_dir: Path, name: str, job_id: str,
              submitted_at: float) -> dict[str, Any]:
     """The real run's small files under `job_dir/name` as job `job_id`; returns its registry record."""
-    run_dir, folder = job_dir / name, job_dir / name / "submitit"
-    (folder).mkdir(parents=True)
-    for file in ("events.jsonl", "metrics.jsonl", "attempts.jsonl"):
-        shutil.copyfile(real / file, run_dir / file)
-    (run_dir / "checkpoints").mkdir()
-    latest = (real / "checkpoints" / "latest").read_text().strip()
-    (run_dir / "checkpoints" / latest).mkdir()
-    meta = Path("checkpoints") / latest / "meta.json"
-    shutil.copyfile(real / meta, run_dir / meta)
-    (run_dir / "checkpoints" / "latest").write_text(latest + "\n")
+    source, run = RunFolder(real), JobDir(job_dir).run(name)
+    folder = run.submitit
+    folder.mkdir(parents=True)
+    for file in (EVENTS, METRICS, ATTEMPTS):
+        shutil.copyfile(source.path / file, run.path / file)
+    run.checkpoints.mkdir()
+    latest = (source.checkpoints / "latest").read_text().strip()
+    (run.checkpoints / latest).mkdir()
+    shutil.copyfile(source.checkpoints / latest / "meta.json", run.checkpoints / latest / "meta.json")
+    (run.checkpoints / "latest").write_text(latest + "\n")
     old_id = record["job_id"]
-    state = json.loads((real / "submitit" / f"{old_id}_local.json").read_text())
+    state = json.loads((source.submitit / f"{old_id}_local.json").read_text())
     (folder / f"{job_id}_local.json").write_text(json.dumps({**state, "job_id": job_id}))
-    return {**record, "job_id": job_id, "run": name, "folder_rel": f"{name}/submitit",
-            "run_dir": str(run_dir), "folder": str(folder), "submitted_at": submitted_at}
+    return {**record, "job_id": job_id, "run": name, "folder_rel": f"{name}/{SUBMITIT}",
+            "run_dir": str(run.path), "folder": str(folder), "submitted_at": submitted_at}
 
 
 def long_metrics(real: Path, lines: int, start: float, path: Path) -> None:
     """`lines` metrics lines from the real run's train and validation rows: one per step, 0.2 s apart."""
-    rows = [json.loads(line) for line in (real / "metrics.jsonl").read_text().splitlines()]
+    rows = RunFolder(real).metrics().read()
     train = next(r for r in rows if "loss" in r)
     val = next((r for r in rows if "val_loss" in r), None)
     with path.open("w") as f:
@@ -107,8 +116,8 @@ def make_job_dir(work: Path, runs: int, lines: list[int]) -> tuple[Path, dict[in
     long = copy_run(real, record, job_dir, LONG, f"{100000 + runs - 1}-bench", start + runs)
     long["train"] = {**long.get("train", {}), "steps": longest}
     long["plan"] = {**long.get("plan", {}), "total_steps": longest}
-    run_dir = job_dir / LONG
-    events = [json.loads(line) for line in (real / "events.jsonl").read_text().splitlines()]
+    run = JobDir(job_dir).run(LONG)
+    events = RunFolder(real).events().read()
     began = start + runs + 1
     for event in events:  # one attempt that trained every step, then finished
         event["time"] = began + 2 + (0.2 * longest if event["event"] in ("finished", "checkpoint") else 0)
@@ -116,8 +125,8 @@ def make_job_dir(work: Path, runs: int, lines: list[int]) -> tuple[Path, dict[in
             event["began"] = began
         if event["event"] in ("finished", "checkpoint"):
             event["step"] = longest
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    checkpoints = run_dir / "checkpoints"
+    run.events().path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    checkpoints = run.checkpoints
     (checkpoints / (checkpoints / "latest").read_text().strip()).rename(checkpoints / f"step_{longest:08d}")
     (checkpoints / "latest").write_text(f"step_{longest:08d}\n")
     files = {}
@@ -132,8 +141,8 @@ def make_job_dir(work: Path, runs: int, lines: list[int]) -> tuple[Path, dict[in
 def use(job_dir: Path, work: Path, runs: int, metrics: Path) -> None:
     """Point the job_dir at its newest `runs` runs and the long run at the metrics file `metrics`."""
     lines = (work / "registry_all.jsonl").read_text().splitlines(keepends=True)
-    (job_dir / "registry.jsonl").write_text("".join(lines[-runs:]))
-    target = job_dir / LONG / "metrics.jsonl"
+    JobDir(job_dir).registry.write_text("".join(lines[-runs:]))
+    target = JobDir(job_dir).run(LONG).metrics().path
     target.unlink(missing_ok=True)
     os.link(metrics, target)
 

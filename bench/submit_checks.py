@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
+from bench.videos import write_video  # noqa: E402
 from taehv_slurm.common.config import load_train  # noqa: E402
 from taehv_slurm.trainer.data_checks import list_videos  # noqa: E402
-from tests.videos import write_video  # noqa: E402
 
 
 def timed(args: list[str], stdin: str | None = None) -> tuple[float, subprocess.CompletedProcess]:

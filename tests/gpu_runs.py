@@ -34,7 +34,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import QUICK, REPO, wait_for
+from bench.faults import wait_for
+from taehv_slurm.common.runfolder import RunFolder
+from tests.helpers import QUICK, REPO, metrics, read_strictly
 
 ON_CPU = os.environ.get("TAEHV_GPU_TESTS_ON_CPU") == "1"
 STEPS, PER_GPU, ACCUMULATION = 12, 2, 32
@@ -70,14 +72,11 @@ def submit_args(cluster: Path, name: str, **overrides: object) -> list[str]:
 
 
 def train_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [r for r in rows if "loss" in r]
+    return [r for r in metrics(run_dir) if "loss" in r]
 
 
 def run_events(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+    return [e for e in read_strictly(RunFolder(run_dir).events()) if e["event"] == kind]
 
 
 class Runs:
@@ -154,8 +153,8 @@ class Runs:
         run_dir = self.run_dir(name)
         wait_for(lambda: len(train_rows(run_dir)) >= CANCEL_AT_STEP, RUN_TIMEOUT_S, f"{name} at step 5",
                  poll_s=0.02)
-        pid = json.loads((run_dir / "ranks" / "0.json").read_text())["pid"]
-        job_id = json.loads((run_dir / "events.jsonl").read_text().splitlines()[0])["job_id"]
+        pid = json.loads(RunFolder(run_dir).rank_record(0).read_text())["pid"]
+        job_id = read_strictly(RunFolder(run_dir).events())[0]["job_id"]
         os.kill(pid, signal.SIGSTOP)
         try:
             cancel = [sys.executable, "-m", "jobs.cancel", job_id, "--job-dir", str(self.folder / "runs")]

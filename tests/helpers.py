@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import re
 import select
-import signal
 import struct
 import subprocess
 import sys
 import termios
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+# The fault tools live with the benchmarks that also inflict them (bench/ never imports tests/); tests
+# import them from here as well.
+from bench.faults import children, rank_record, slowed_down, wait_for  # noqa: F401
 from taehv_slurm.common.config import ClusterConfig, TrainConfig, load_cluster, load_train
+from taehv_slurm.common.runfolder import EventLog, RunFileWarning, RunFolder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -90,67 +92,24 @@ def cli(*args: str, cwd: Path = REPO, env: Mapping[str, str] | None = None,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+def read_strictly(log: EventLog, missing_ok: bool = False) -> list[dict[str, Any]]:
+    """Every line of a run file, through the library's reader, as a test needs it: a damaged line (which the
+    reader skips with a warning) fails the test, and so does a missing file unless `missing_ok` ([])."""
+    if not missing_ok and not log.path.exists():
+        raise FileNotFoundError(f"no {log.path}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunFileWarning)
+        return log.read()
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    """Rank 0's metrics lines, every one ([] before the first); a damaged line fails the test."""
+    return read_strictly(RunFolder(run_dir).metrics(), missing_ok=True)
 
 
 def events(handle: Any, kind: str | None = None) -> list[dict[str, Any]]:
     """The events of a JobHandle's run folder (every job of it), of one kind if given."""
     return [e for e in handle.events(run_wide=True) if kind is None or e["event"] == kind]
-
-
-def rank_record(run: Any, rank: int) -> dict[str, Any]:
-    """The rank's record in the run folder (`run`: a JobHandle or the folder); {} before it wrote one."""
-    try:
-        return json.loads((Path(getattr(run, "run_dir", run)) / "ranks" / f"{rank}.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-@contextlib.contextmanager
-def slowed_down(pids: int | list[int], stopped_s: float, running_s: float) -> Iterator[None]:
-    """The process(es) stopped (SIGSTOP) for stopped_s of every stopped_s + running_s, as on a slow node,
-    until the block ends or a process is gone; running again (SIGCONT) after it."""
-    pids = [pids] if isinstance(pids, int) else pids
-    done = threading.Event()
-
-    def duty_cycle() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            while not done.is_set():
-                for pid in pids:
-                    os.kill(pid, signal.SIGSTOP)
-                time.sleep(stopped_s)
-                for pid in pids:
-                    os.kill(pid, signal.SIGCONT)
-                time.sleep(running_s)
-
-    cycling = threading.Thread(target=duty_cycle, daemon=True)
-    cycling.start()
-    try:
-        yield
-    finally:
-        done.set()
-        cycling.join()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
-def children(pid: int) -> list[int]:
-    """The processes `pid` started (a rank's loader workers), from /proc."""
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
@@ -163,7 +122,7 @@ def last_step(run_dir: Path) -> int:
 
 
 def final_state(run_dir: Path) -> tuple[int, dict, dict]:
-    loaded = Checkpointer(Path(run_dir) / "checkpoints").load_latest()
+    loaded = Checkpointer(RunFolder(run_dir).checkpoints).load_latest()
     assert loaded is not None, f"no checkpoint in {run_dir}"
     return loaded
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 
 
@@ -18,7 +19,7 @@ class CrashAfterStart:
         self.varying = varying
 
     def __call__(self, ctx: Any) -> None:
-        ctx.started(Checkpointer(ctx.run_dir / "checkpoints").latest_step() or 0)
+        ctx.started(Checkpointer(RunFolder(ctx.run_dir).checkpoints).latest_step() or 0)
         # each attempt of the run (a requeue, or a restart inside the allocation) is its own segment
         cause = f" ({self.CAUSES[ctx.segment % len(self.CAUSES)]})" if self.varying else ""
         raise RuntimeError(f"simulated crash right after the restart{cause}")
@@ -61,7 +62,7 @@ class CountingTask:
 
         if self.ignore_warning:
             signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-        checkpoints = Checkpointer(ctx.run_dir / "checkpoints", keep=2)
+        checkpoints = Checkpointer(RunFolder(ctx.run_dir).checkpoints, keep=2)
         step = checkpoints.latest_step() or 0
         ctx.started(step)
         last = self.steps
@@ -147,7 +148,7 @@ class FailsAtStep:
         self.step, self.error = step, error
 
     def __call__(self, ctx: Any) -> int:
-        checkpoints = Checkpointer(ctx.run_dir / "checkpoints", keep=2)
+        checkpoints = Checkpointer(RunFolder(ctx.run_dir).checkpoints, keep=2)
         step = checkpoints.latest_step() or 0
         ctx.started(step)
         while True:
@@ -173,7 +174,7 @@ class MeetsAFault:
         import signal
         import time
 
-        checkpoints = Checkpointer(ctx.run_dir / "checkpoints", keep=2)
+        checkpoints = Checkpointer(RunFolder(ctx.run_dir).checkpoints, keep=2)
         step = checkpoints.latest_step() or 0
         ctx.started(step)
         main = ctx.env.rank == 0  # rank 0 saves: the ranks share no process group here

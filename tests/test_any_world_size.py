@@ -31,9 +31,10 @@ import pytest
 import torch
 
 from taehv_slurm.common.plan import plan_for
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.training import submit_training
-from tests.helpers import make_cluster, quick_train
+from tests.helpers import make_cluster, quick_train, read_strictly
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -58,8 +59,7 @@ def samples(run_dir: Path) -> dict[int, list[int]]:
 
 
 def logged(run_dir: Path, key: str) -> list[float]:
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [r[key] for r in rows if "loss" in r]
+    return [r[key] for r in read_strictly(RunFolder(run_dir).metrics()) if "loss" in r]
 
 
 def assert_same_run(run: Path, reference: Path) -> None:
@@ -90,7 +90,7 @@ def initial_weights() -> dict[str, torch.Tensor]:
 
 
 def params(run_dir: Path) -> dict[str, torch.Tensor]:
-    step, state, _ = Checkpointer(Path(run_dir) / "checkpoints").load_latest()
+    step, state, _ = Checkpointer(RunFolder(run_dir).checkpoints).load_latest()
     assert step == STEPS
     return state["params"]
 
@@ -118,7 +118,7 @@ def runs(tmp_path_factory) -> dict[tuple[str, int], Path]:
 def test_every_world_size_trains_the_same_steps(runs, engine: str) -> None:
     for world in WORLD_SIZES[1:]:
         assert_same_run(runs[(engine, world)], runs[(engine, 1)])
-    starts = [json.loads(line) for line in (runs[(engine, 3)] / "events.jsonl").read_text().splitlines()]
+    starts = read_strictly(RunFolder(runs[(engine, 3)]).events())
     # the batch split 3+3+2 into micro-batches of at most 2, as the ranks planned it
     assert (starts[0]["world_size"], starts[0]["effective_batch"], starts[0]["grad_accum"]) == (3, 8, 2)
     plan = plan_for(1, 3, quick_train(steps=STEPS, **EXACT, **{"engine.kind": engine}), device="cpu")
@@ -138,8 +138,7 @@ def test_resumed_at_other_world_sizes_and_engines_continues_the_same_run(runs, t
         handle = submit_training(ranks(tmp_path, world), train, "resumed")[0]
         assert handle.wait(timeout_s=600, progress=False) == "COMPLETED", handle.tail(40)
     run = tmp_path / "resumed"
-    starts = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
-              if e["event"] == "start"]
+    starts = [e for e in read_strictly(RunFolder(run).events()) if e["event"] == "start"]
     assert ([(e["step"], e["world_size"], e["engine"]) for e in starts]
             == [(0, 2, "allreduce"), (2, 3, "zero2"), (4, 5, "zero3")])
     # step by step the clips and numbers of the uninterrupted run
@@ -154,14 +153,15 @@ def test_export_depends_only_on_the_weights(runs, tmp_path: Path) -> None:
 
     from taehv_slurm.trainer.weights import export_weights
 
-    _, host_state, host_meta = Checkpointer(runs[("allreduce", 1)] / "checkpoints").load_latest()
+    _, host_state, host_meta = Checkpointer(RunFolder(runs[("allreduce", 1)]).checkpoints).load_latest()
     reference = load_file(export_weights(runs[("allreduce", 1)], tmp_path / "reference.safetensors",
                                          "fp32").weights)
     for (engine, world), run in runs.items():
-        step, state, meta = Checkpointer(run / "checkpoints").load_latest()
+        step, state, meta = Checkpointer(RunFolder(run).checkpoints).load_latest()
         assert (meta["engine"], meta["world_size"]) == (engine, world)
         carried = tmp_path / f"{engine}-{world}-carried"
-        Checkpointer(carried / "checkpoints").save({**host_state, "params": state["params"]}, step, host_meta)
+        Checkpointer(RunFolder(carried).checkpoints).save({**host_state, "params": state["params"]}, step,
+                                                          host_meta)
         exported = [export_weights(folder, tmp_path / f"{engine}-{world}-{name}.safetensors", "fp32").weights
                     for folder, name in ((run, "own"), (carried, "carried"))]
         assert exported[0].read_bytes() == exported[1].read_bytes(), (engine, world)

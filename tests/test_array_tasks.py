@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import rank_record, wait_for
 from taehv_slurm.submission import submit_many
-from tests.helpers import events, make_cluster, rank_record, wait_done, wait_for
+from tests.helpers import events, make_cluster, wait_done
 from tests.tasks import CountingTask
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import wait_for
+from taehv_slurm.common.runfolder import JobDir
 from taehv_slurm.runtime.provenance import read_attempts
-from tests.helpers import REPO, cli, wait_done, wait_for
+from tests.helpers import REPO, cli, wait_done
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -73,7 +75,8 @@ def test_a_job_trains_the_submitted_code_after_the_checkout_changes(tmp_path: Pa
         subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True)
 
     assert wait_done(live, 120) == "FAILED"
-    assert "the edited checkout ran" in (job_dir / "live" / "submitit" / f"{live}_0_log.out").read_text()
+    log = JobDir(job_dir).run("live").submitit / f"{live}_0_log.out"
+    assert "the edited checkout ran" in log.read_text()
     wait_for(lambda: len((job_dir / "kept" / "steps.txt").read_text().split()) >= 10
              if (job_dir / "kept" / "steps.txt").exists() else False, 120, "the job to train")
     subprocess.run(["scontrol", "requeue", kept], check=True)  # its next attempt starts after the edit too
@@ -85,7 +88,7 @@ def test_a_job_trains_the_submitted_code_after_the_checkout_changes(tmp_path: Pa
                           check=True).stdout.strip()
     copies = {Path(a["code"]["snapshot"]) for a in attempts}
     (copy,) = copies
-    assert copy.parent == job_dir / "code" and all(a["code"]["commit"] == head for a in attempts)
+    assert copy.parent == JobDir(job_dir).code and all(a["code"]["commit"] == head for a in attempts)
     assert EDIT not in (copy / "taehv_slurm" / "runtime" / "entry.py").read_text()
     assert not (copy / "data.bin").exists() and (copy / "tests" / "tasks.py").is_file()
     size = sum(p.stat().st_size for p in copy.rglob("*") if p.is_file())
@@ -96,8 +99,8 @@ def test_a_job_trains_the_submitted_code_after_the_checkout_changes(tmp_path: Pa
 def test_the_dry_run_shows_the_copy_on_pythonpath_and_no_snapshot_drops_it(tmp_path: Path) -> None:
     base = ["jobs.submit", "--cluster", "configs/cluster/testbed.yaml", "--dry-run", "--skip-data-checks",
             "--set", f"job_dir={tmp_path}"]
-    shown = cli(*base)
+    shown, code = cli(*base), JobDir(tmp_path).code
     assert shown.returncode == 0, shown.stderr
-    assert f"export PYTHONPATH={tmp_path}/code/" in shown.stdout and not (tmp_path / "code").exists()
+    assert f"export PYTHONPATH={code}/" in shown.stdout and not code.exists()
     plain = cli(*base, "--no-snapshot")
     assert plain.returncode == 0 and "PYTHONPATH" not in plain.stdout

@@ -12,6 +12,7 @@ import pytest
 import submitit
 import yaml
 
+from bench.videos import write_video
 from taehv_slurm import snapshot
 from taehv_slurm.backends import SlurmBackend
 from taehv_slurm.common.changes import flatten
@@ -28,7 +29,6 @@ from taehv_slurm.common.typed_yaml import parse_set_args
 from taehv_slurm.executor import LocalExecutor, SlurmExecutor, make_executor, sbatch_preview
 from taehv_slurm.submission import requeueable_task, secrets_in_environ
 from taehv_slurm.submit_checks import submit_checks
-from tests.videos import write_video
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import wait_for
 from taehv_slurm.submission import submit
-from tests.helpers import REPO, events, make_cluster, wait_done, wait_for
+from tests.helpers import REPO, events, make_cluster, wait_done
 from tests.tasks import SaysWhereItRuns
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")

@@ -11,15 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from taehv_slurm.trainer.data import (
-    ClipSpec,
-    GlobalOrder,
-    SyntheticClips,
-    VideoFolderClips,
-    microbatches,
-    step_indices,
-)
-from tests.videos import (
+from bench.videos import (
     can_write,
     nearest_frame,
     noisy_frame,
@@ -28,6 +20,14 @@ from tests.videos import (
     write_audio_only,
     write_garbage,
     write_video,
+)
+from taehv_slurm.trainer.data import (
+    ClipSpec,
+    GlobalOrder,
+    SyntheticClips,
+    VideoFolderClips,
+    microbatches,
+    step_indices,
 )
 
 SMALL = ClipSpec(frames=12, height=48, width=64)

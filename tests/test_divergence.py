@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from taehv_slurm.common.config import load_train
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.trainer.divergence import DivergenceGuard
-from tests.helpers import quick_train
+from tests.helpers import quick_train, read_strictly
 
 CPU = torch.device("cpu")
 
@@ -83,13 +84,13 @@ def test_a_rolled_back_run_restores_the_checkpoint_before_and_passes_the_batches
     assert str(err.value).startswith("step 4: the loss or gradient norm was not finite in 3 steps in a row")
     assert "the last checkpoint is step 1 (" in str(err.value)
     assert str(err.value).endswith("(rolled back 2 time(s) already)")
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    events = read_strictly(RunFolder(run).events())
     rollbacks = [(e["from_step"], e["to_step"], e["skipped_batches"], e["rollbacks"]) for e in events
                  if e["event"] == "rollback"]
     assert rollbacks == [(4, 1, 3, 1), (4, 1, 3, 2)]
     # step 1's own checkpoint, then each rollback's save of the restored state
     assert [e["step"] for e in events if e["event"] == "checkpoint"] == [1, 1, 1]
-    _, _, meta = Checkpointer(run / "checkpoints").load_latest()
+    _, _, meta = Checkpointer(RunFolder(run).checkpoints).load_latest()
     assert (meta["step"], meta["data_offset_steps"], meta["rollbacks"]) == (1, 6, 2)
     # What was logged after the step gone back to is dropped: each step once, the last path's.
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]

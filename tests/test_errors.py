@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.videos import write_garbage, write_video
 from taehv_slurm.picklecheck import UnpicklableTaskError, check_picklable
 from taehv_slurm.runtime.checkpoint import Checkpointer, CheckpointError
 from taehv_slurm.runtime.distenv import DistributedSetupError
 from taehv_slurm.runtime.node_launcher import choose_ranks
 from taehv_slurm.trainer.data import ClipSpec, VideoFolderClips
 from tests.helpers import REPO, cli, documented, mounted_tmpfs, tiny_train
-from tests.videos import write_garbage, write_video
 
 HOST = socket.gethostname()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, load_published_weights
 from tests.helpers import REPO, cli, final_state
 from tests.test_model import published_keys
@@ -100,8 +101,8 @@ def test_default_shape_exports_the_published_key_list(tmp_path: Path) -> None:
 
 
 def test_export_by_run_name_is_the_same_file(run: Path, tmp_path: Path) -> None:
-    by_path = cli("jobs.export", str(run / "checkpoints" / "step_00000002" / "state.pt"), "--out", "a.pth",
-                  cwd=tmp_path)
+    state = RunFolder(run).checkpoints / "step_00000002" / "state.pt"
+    by_path = cli("jobs.export", str(state), "--out", "a.pth", cwd=tmp_path)
     by_name = cli("jobs.export", "run1", "--job-dir", str(run.parent), "--out", "b.pth", cwd=tmp_path)
     assert by_path.returncode == 0 and by_name.returncode == 0, by_path.stderr + by_name.stderr
     assert (tmp_path / "a.pth").read_bytes() == (tmp_path / "b.pth").read_bytes()

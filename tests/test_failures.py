@@ -31,13 +31,15 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import rank_record, wait_for
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.restart import RESTART_MARGIN_S
 from taehv_slurm.slurm import job_info, seconds_left
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
-from tests.helpers import REPO, cli, events, make_cluster, rank_record, tiny_train, wait_done, wait_for
+from tests.helpers import REPO, cli, events, make_cluster, tiny_train, wait_done
 from tests.tasks import CountingTask, FailsAtStep, FailsWhenTold, MeetsAFault
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -112,27 +114,27 @@ def test_a_diverged_run_fails_in_one_line_and_never_saves_garbage(tmp_path: Path
     stopped_at = int(re.match(r"error: DivergedError: step (\d+): ", errors[0]).group(1))
     assert "not finite in 3 steps in a row" in errors[0]
     assert "lower optim.lr (now 0.5) or lengthen optim.warmup_steps" in errors[0]
-    run = tmp_path / "nan"
+    run = RunFolder(tmp_path / "nan")
     job = JobHandle.attach("nan", tmp_path)
     assert wait_done(job.job_id, 60) == "FAILED"
     # Saved after every step (ckpt_every 1) except the three skipped ones: the newest checkpoint is the
     # step before them, and none was written while steps were skipped.
-    latest = Checkpointer(run / "checkpoints").latest_step()
+    latest = Checkpointer(run.checkpoints).latest_step()
     assert latest == stopped_at - 3 and f"the last checkpoint is step {latest} (" in errors[0]
     saved = [e["step"] for e in events(job, "checkpoint")]
     assert saved == list(range(1, latest + 1)), saved
-    _, state, _ = Checkpointer(run / "checkpoints").load_latest()
+    _, state, _ = Checkpointer(run.checkpoints).load_latest()
     assert all(bool(v.isfinite().all()) for v in state["params"].values())  # `latest` is never garbage
-    for line in (run / "metrics.jsonl").read_text().splitlines():  # strict JSON: null, never NaN
+    for line in run.metrics().path.read_text().splitlines():  # strict JSON: null, never NaN
         json.loads(line, parse_constant=lambda token: pytest.fail(f"{token} in metrics.jsonl"))
     assert not [e for e in events(job, "failure") if not e.get("fatal")]  # one recorded stop, no requeue
     assert not events(job, "requeue")
 
     # A checkpoint that does hold non-finite weights (written by hand here) is never exported.
-    _, state, meta = Checkpointer(run / "checkpoints").load_latest()
+    _, state, meta = Checkpointer(run.checkpoints).load_latest()
     name = next(iter(state["params"]))
     state["params"][name][0] = math.nan
-    Checkpointer(tmp_path / "poisoned" / "checkpoints").save(state, 1, meta)
+    Checkpointer(RunFolder(tmp_path / "poisoned").checkpoints).save(state, 1, meta)
     refused = cli("jobs.export", str(tmp_path / "poisoned"), "--out", str(tmp_path / "x.pth"), cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.strip() == (
         f"error: checkpoint step 1 holds non-finite weights (1 tensor(s), e.g. {name}): the run diverged; "
@@ -148,7 +150,7 @@ def test_a_diverged_run_fails_in_one_line_and_never_saves_garbage(tmp_path: Path
                   {"device": "cpu", "torch_threads": 1, "run_dir": str(tmp_path / "poisoned")})()
     assert str(err.value).startswith(f"step 2: the model state holds non-finite values (1 tensor(s), e.g. "
                                      f"params.{name}); it was not saved, the last checkpoint stays latest")
-    assert Checkpointer(tmp_path / "poisoned" / "checkpoints").steps() == [1]
+    assert Checkpointer(RunFolder(tmp_path / "poisoned").checkpoints).steps() == [1]
 
 
 def test_a_failure_that_repeats_stops_after_two_attempts(jobs: Jobs) -> None:

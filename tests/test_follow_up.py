@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import wait_for
+from taehv_slurm.common.runfolder import JobDir
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.registry import Registry
 from taehv_slurm.runtime.steps import FOLLOW_UP_EXIT_CODE
@@ -36,7 +38,6 @@ from tests.helpers import (
     metrics,
     quick_train,
     wait_done,
-    wait_for,
 )
 from tests.tasks import CountingTask
 
@@ -129,4 +130,4 @@ def test_after_a_job_slurm_does_not_know_is_refused_before_anything_is_queued(tm
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "error: --after 999999: Slurm knows no job 999999 (neither squeue nor sacct lists it): check the id "
         "(`squeue --me`, `taehv status`)"]
-    assert not (tmp_path / "registry.jsonl").exists()
+    assert not JobDir(tmp_path).registry.exists()

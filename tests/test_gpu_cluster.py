@@ -23,7 +23,6 @@ nodes take turns on them, which is right for what crosses nodes and not for spee
 from __future__ import annotations
 
 import ast
-import json
 import os
 import re
 import signal
@@ -35,9 +34,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import rank_record, wait_for
 from taehv_slurm.common.config import load_cluster, load_train
 from taehv_slurm.common.plan import plan_for_cluster
-from tests.helpers import REPO, job_state, metrics, rank_record, wait_for
+from taehv_slurm.common.runfolder import RunFolder
+from tests.helpers import REPO, job_state, metrics, read_strictly
 from tests.slurm_testbed import Testbed
 from tests.slurm_testbed_gpus import host_gpus, shares_gpus
 
@@ -144,7 +145,7 @@ def test_a_two_node_run_crosses_hosts_over_sockets_and_nvlink_inside(gpu_cluster
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     run_dir = tmp_path / "crossing"
     assert [r["step"] for r in metrics(run_dir) if "loss" in r][-1] == 6
-    logs = {p.name: p.read_text(errors="replace") for p in (run_dir / "submitit").glob("*_log.out")}
+    logs = {p.name: p.read_text(errors="replace") for p in RunFolder(run_dir).submitit.glob("*_log.out")}
     text = "".join(logs.values())
     # NCCL's own channel lines: ranks of different nodes through the socket transport, of one node through P2P
     assert re.search(r"via NET/Socket", text), "no channel between the nodes went through sockets"
@@ -167,12 +168,11 @@ def test_the_run_and_preflight_say_which_network_nccl_chose_between_the_nodes(gp
                  *cpus_each(gpu_cluster, gpus), "--set", "engine.compile=false", "--name", "transport",
                  "--follow", job_dir=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    attempts = (tmp_path / "transport" / "attempts.jsonl").read_text().splitlines()
-    (attempt,) = [json.loads(line) for line in attempts]
+    (attempt,) = read_strictly(RunFolder(tmp_path / "transport").attempts())
     net = attempt["network"]
     assert (net["backend"], net["transport"], net["nodes"]) == ("nccl", "Socket", 2), net
     assert net["devices"] and all(":" in d for d in net["devices"])  # the interface and its address
-    log = (tmp_path / "transport" / "submitit").glob("*_0_log.out")
+    log = RunFolder(tmp_path / "transport").submitit.glob("*_0_log.out")
     assert "network between the ranks: nccl over Socket (" in "".join(p.read_text() for p in log)
     checked = taehv("preflight", "--nodes", "2", "--gpus-per-node", str(gpus), "--job",
                     "--bandwidth-mib", "16", *small_shipped_run(4), *cpus_each(gpu_cluster, gpus),
@@ -217,9 +217,7 @@ def fault_run(bed: Testbed, name: str, job_dir: Path, steps: int, *extra: str) -
 
 
 def run_events(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [e for e in map(json.loads, lines) if e["event"] == kind]
+    return [e for e in read_strictly(RunFolder(run_dir).events(), missing_ok=True) if e["event"] == kind]
 
 
 def final_state(job_id: str) -> str:

@@ -27,13 +27,24 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import wait_for
 from taehv_slurm.cli.watch import MetricsTail, progress_line
+from taehv_slurm.common.runfolder import EventLog, JobDir, RunFolder
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.reports import registry_frame
 from taehv_slurm.runs import runs_frame
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
-from tests.helpers import REPO, cli, in_terminal, make_cluster, quick_train, tiny_train, wait_done, wait_for
+from tests.helpers import (
+    REPO,
+    cli,
+    in_terminal,
+    make_cluster,
+    quick_train,
+    read_strictly,
+    tiny_train,
+    wait_done,
+)
 from tests.tasks import CrashAfterStart
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -161,7 +172,7 @@ def test_cancel_cli_cancels_a_running_job(jobs: Jobs) -> None:
     attached = JobHandle.attach(doomed.job_id, jobs.job_dir)
     assert attached.state.startswith("CANCELLED") and attached.done()
     # It saved on the SIGTERM of the cancel: that is no requeue.
-    wait_for(lambda: (doomed.run_dir / "checkpoints" / "latest").exists(), 60, "the save on cancel")
+    wait_for(lambda: (RunFolder(doomed.run_dir).checkpoints / "latest").exists(), 60, "the save on cancel")
     assert attached.requeues.empty and attached.requeue_count == 0
     assert "requeue" not in set(attached.metrics()["event"])
     alloc = wait_for(lambda: allocation_rows(attached), 60, "sacct to record the end")
@@ -367,7 +378,7 @@ def test_sweep_cli_submits_one_job_array(jobs: Jobs) -> None:
     ids = sweep_ids(jobs)
     assert len(ids) == 2 and ids[0].split("_")[0] == ids[1].split("_")[0]  # one array: A_0, A_1
     assert "sweep of 2 runs (one job array)" in jobs.sweep_cli.stdout
-    script = next((jobs.job_dir / "lr-sweep" / "submitit").glob("*_submission.sh")).read_text()
+    script = next(JobDir(jobs.job_dir).run("lr-sweep").submitit.glob("*_submission.sh")).read_text()
     assert "#SBATCH --array=0-1%1" in script  # --max-parallel 1: Slurm runs them one after the other
     for job_id in ids:
         assert wait_done(job_id, 600) == "COMPLETED", JobHandle.attach(job_id, jobs.job_dir).tail(60)
@@ -401,16 +412,16 @@ def test_sweep_cli_submits_one_job_array(jobs: Jobs) -> None:
 
 def test_registry_lists_every_run_with_masked_secrets(jobs: Jobs) -> None:
     sweep_ids(jobs)
-    text = (jobs.job_dir / "registry.jsonl").read_text()
-    assert SECRET not in text
-    records = [json.loads(line) for line in text.splitlines()]
+    registry = JobDir(jobs.job_dir).registry
+    assert SECRET not in registry.read_text()
+    records = read_strictly(EventLog(registry))
     runs = {r["run"]: r for r in records}
     assert set(runs) == {"observed", "doomed", "crash", "lr-sweep/lr=0.0001", "lr-sweep/lr=0.0002"}
     observed = runs["observed"]
     assert observed["cluster"]["env"] == {"WANDB_API_KEY": "***", "TAEHV_NOTE": "public"}
     assert observed["train"]["steps"] == TRAIN_STEPS and observed["plan"]["world_size"] == 2
     assert all(not Path(r["run"]).is_absolute() for r in records)  # relative to job_dir: relocatable
-    assert SECRET not in (jobs.train.run_dir / "submitit").joinpath(
+    assert SECRET not in RunFolder(jobs.train.run_dir).submitit.joinpath(
         f"{jobs.train.job_id}_submission.sh").read_text()
     table = JobHandle.registry(jobs.job_dir)
     assert set(table["run"]) == set(runs) and table["job_id"].is_unique

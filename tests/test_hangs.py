@@ -21,20 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import rank_record, wait_for
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.goodput import summary as goodput_summary
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.training import submit_training
-from tests.helpers import (
-    QUICK,
-    cli,
-    events,
-    make_cluster,
-    metrics,
-    rank_record,
-    tiny_train,
-    wait_done,
-    wait_for,
-)
+from tests.helpers import QUICK, cli, events, make_cluster, metrics, tiny_train, wait_done
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 STEADY = {"intervals.log_every": 2, "intervals.ckpt_every": 10, "intervals.val_every": 10_000}
@@ -133,7 +125,7 @@ def test_the_watchers_switch_off_for_an_ab_of_their_cost(tmp_path: Path) -> None
                   *[a for s in sets for a in ("--set", s)])
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     for name, watched in (("watched", True), ("unwatched", False)):
-        record = json.loads((tmp_path / name / "ranks" / "0.json").read_text())
+        record = json.loads(RunFolder(tmp_path / name).rank_record(0).read_text())
         assert record["exit_code"] == 0  # the record that names killed ranks is kept either way
         # watched: the main thread marked each step (the last one it entered); unwatched: it marked nothing
         assert ((record["step"] or 0) >= 3) is watched and (record["section"] != "startup") is watched, record

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import yaml
 
+from bench.faults import wait_for
 from taehv_slurm.common.config import load_cluster
-from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.runtime.checkpoint import Checkpointer
-from tests.helpers import metrics, wait_for
+from tests.helpers import metrics
 from tests.tasks import CountingTask
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,7 +101,7 @@ def test_two_nodes_times_two_ranks_train_tiny(tmp_path: Path) -> None:
     assert [r["step"] for r in rows] == [1, 2, 4, 6]  # rank 0 writes each step once
     assert all(r["loss"] > 0 for r in rows)
     assert "train step 6/6" in out0 and "train step" not in out1
-    step, _, meta = Checkpointer(run / "checkpoints").load_latest()
+    step, _, meta = Checkpointer(RunFolder(run).checkpoints).load_latest()
     assert step == 6 and meta["world_size"] == 4 and meta["plan"]["per_gpu_batch"] == 2
 
 
@@ -163,11 +164,11 @@ def test_sigterm_saves_and_a_restart_resumes(tmp_path: Path) -> None:
     assert code == 143, out[-3000:]
     assert ("caught SIGTERM; sending SIGTERM to 2 rank(s)" in out
             and "exiting 143 so the platform restarts" in out)
-    saved = Checkpointer(run / "checkpoints").latest_step()
+    saved = Checkpointer(RunFolder(run).checkpoints).latest_step()
     assert saved is not None and saved >= 3
     # On a platform the platform restarts the node: the run records that it saved and exited for that
     # restart (not a requeue, which nothing here could do or confirm).
-    stops = [e for e in EventLog(run / "events.jsonl").read() if e["event"] == "exited_for_restart"]
+    stops = [e for e in RunFolder(run).events().read() if e["event"] == "exited_for_restart"]
     assert [(e["reason"], e["step"]) for e in stops] == [("preempted", saved)]
 
     # The platform restarts the pod: same command, same run folder → resumes from `latest` and finishes.
@@ -196,7 +197,7 @@ def test_ctrl_c_saves_and_exits_130(tmp_path: Path) -> None:
         proc.kill()
     assert proc.returncode == 130, out[-3000:]
     assert "all ranks exited after SIGINT; exiting 130" in out
-    assert Checkpointer(run / "checkpoints").latest_step() is not None  # it saved before it exited
+    assert Checkpointer(RunFolder(run).checkpoints).latest_step() is not None  # it saved before it exited
 
 
 def test_torchrun_started_ranks_run_the_task_directly(tmp_path: Path) -> None:

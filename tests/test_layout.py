@@ -5,6 +5,7 @@
   which are handed to it; runtime/legacy.py, the one-release pickle alias, is the named exception);
 - the trainer imports the runtime and the shared modules, never the driver or the CLI;
 - a CLI command never imports another command; jobs/ only runs them;
+- a bench script never imports tests/ (the tests import what both use from bench/);
 - no module over 500 lines, no function over 60, and the submit path imports no torch;
 - the commands that only look or print (`submit --dry-run`, `status`, `logs`, `cancel`) import neither
   pandas nor torch, so they answer at once (bench/cli_latency.py times them).
@@ -110,6 +111,14 @@ def test_a_command_never_imports_another_command() -> None:
                                                                "does more than run a command")
 
 
+@pytest.mark.parametrize("path", modules(REPO / "bench"), ids=lambda p: p.name)
+def test_no_bench_script_imports_the_tests(path: Path) -> None:
+    """A bench script runs as `python bench/x.py`, without the test suite: what the tests and the bench both
+    use (bench/faults.py, bench/videos.py) lives in bench/, and the tests import it from there."""
+    bad = {n for n in our_imports(path) if n.split(".")[0] == "tests"}
+    assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
 def python_files() -> list[Path]:
     return sorted(p for folder in ("taehv_slurm", "jobs", "tests", "bench")
                   for p in (REPO / folder).rglob("*.py"))
@@ -141,24 +150,25 @@ def a_finished_local_run(job_dir: Path) -> str:
     """The files a finished 2-step run on the local backend leaves (registry line, events, metrics, the
     controller's outcome, rank 0's log), written directly: no job runs. Returns its job id."""
     from taehv_slurm.common.config import load_cluster
+    from taehv_slurm.common.runfolder import JobDir
 
-    job_id, run_dir = "4242-abc123", job_dir / "done"
-    folder, now = run_dir / "submitit", time.time() - 60
+    job_id, run = "4242-abc123", JobDir(job_dir).run("done")
+    folder, now = run.submitit, time.time() - 60
     folder.mkdir(parents=True)
     record = {"event": "submitted", "time": now, "job_id": job_id, "run": "done",
-              "folder_rel": "done/submitit", "run_dir": str(run_dir), "folder": str(folder),
+              "folder_rel": "done/submitit", "run_dir": str(run.path), "folder": str(folder),
               "backend": "local", "task": "TrainTask",
               "submitted_at": now, "nodes": 1, "world_size": 1,
               "cluster": load_cluster(REPO / "configs/cluster/local.yaml").masked(),
               "train": {"steps": 2}, "plan": {"total_steps": 2}, "sweep": {}}
-    (job_dir / "registry.jsonl").write_text(json.dumps(record) + "\n")
+    JobDir(job_dir).registry.write_text(json.dumps(record) + "\n")
     events = [{"event": "start", "time": now + 5, "began": now + 1, "step": 0, "job_id": job_id,
                "restart_count": 0},
               {"event": "first_step", "time": now + 7, "step": 1, "seconds": 6.0, "job_id": job_id},
               {"event": "finished", "time": now + 9, "step": 2, "job_id": job_id}]
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    run.events().path.write_text("".join(json.dumps(e) + "\n" for e in events))
     metrics = [{"step": s, "time": now + 5 + 2 * s, "loss": 1.0 / s} for s in (1, 2)]
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    run.metrics().path.write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (folder / f"{job_id}_local.json").write_text(json.dumps({"state": "COMPLETED", "job_id": job_id}))
     (folder / f"{job_id}_0_log.out").write_text("train step 2/2 loss 0.5\n")
     return job_id

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.common.security import make_private_dir
 from tests.helpers import LOCAL_TASK_ENV, REPO, tiny_train
 
@@ -44,7 +44,7 @@ print(type(task).__name__, type(task.backend).__name__)
 
 def test_a_job_pickled_by_0_1_runs_after_the_upgrade(tmp_path: Path) -> None:
     run_dir = make_private_dir(tmp_path / "run")
-    folder = make_private_dir(run_dir / "submitit")
+    folder = make_private_dir(RunFolder(run_dir).submitit)
     pickle = folder / "4242_submitted.pkl"
     train = tiny_train(steps=2, **{"intervals.log_every": 1, "intervals.val_every": 2}).to_dict()
     subprocess.run([sys.executable, "-c", PICKLE_AS_0_1, json.dumps(train), str(run_dir), str(pickle)],
@@ -65,9 +65,9 @@ def test_a_job_pickled_by_0_1_runs_after_the_upgrade(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "taehv_slurm.runtime.entry", str(folder), str(run_dir)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    kinds = [e["event"] for e in EventLog(run_dir / "events.jsonl").read()]
+    kinds = [e["event"] for e in RunFolder(run_dir).events().read()]
     assert kinds[0] == "start" and kinds[-1] == "finished" and "failure" not in kinds
-    assert (run_dir / "checkpoints" / "step_00000002" / "state.pt").is_file()
+    assert (RunFolder(run_dir).checkpoints / "step_00000002" / "state.pt").is_file()
 
 
 # The code before the shared layer's move pickled a cluster config under its old module name.

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import wait_for
 from taehv_slurm.common.config import load_cluster
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.submission import submit
-from tests.helpers import REPO, cli, wait_for
+from tests.helpers import REPO, cli, metrics, read_strictly
 
 TRAIN = ["--train", "configs/train/tiny.yaml"]
 
@@ -38,14 +40,11 @@ def start(job_dir: Path, name: str, *sets: str, flags: tuple[str, ...] = ()) -> 
 
 
 def events(run_dir: Path) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_strictly(RunFolder(run_dir).events(), missing_ok=True)
 
 
 def train_steps(run_dir: Path) -> list[int]:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return [r["step"] for r in rows if "loss" in r]
+    return [r["step"] for r in metrics(run_dir) if "loss" in r]
 
 
 def test_a_failing_run_ends_failed_with_its_error_once(tmp_path: Path) -> None:
@@ -83,7 +82,7 @@ def test_status_running_then_cancel_saves_and_the_name_resumes(tmp_path: Path) -
     (stop,) = [e for e in events(run_dir) if e["event"] == "cancelled"]
     saved = stop["step"]
     assert saved >= 3 and f"saved at step {saved}; resume with: python -m jobs.submit --name cancelled" in err
-    assert (run_dir / "checkpoints" / f"step_{saved:08d}").is_dir()
+    assert (RunFolder(run_dir).checkpoints / f"step_{saved:08d}").is_dir()
     assert "CANCELLED" in cli("jobs.status", job_id, "--job-dir", str(tmp_path)).stdout
 
     resumed = start(tmp_path, "cancelled", f"steps={saved + 3}")
@@ -114,7 +113,7 @@ def test_ctrl_c_saves_like_a_preemption(tmp_path: Path, stop: signal.Signals) ->
     assert ("Ctrl-C" in out + err) == (stop == signal.SIGINT)  # a SIGTERM is not called a Ctrl-C
     (cancelled,) = [e for e in events(run_dir) if e["event"] == "cancelled"]
     assert f"saved at step {cancelled['step']}" in err and "Traceback" not in out + err
-    assert (run_dir / "checkpoints" / f"step_{cancelled['step']:08d}").is_dir()
+    assert (RunFolder(run_dir).checkpoints / f"step_{cancelled['step']:08d}").is_dir()
 
 
 class DiesOnRankOne:

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.helpers import REPO
-from tests.videos import write_video
+from bench.videos import write_video
+from taehv_slurm.common.runfolder import RunFolder
+from tests.helpers import REPO, read_strictly
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -91,7 +92,7 @@ def test_notebook_runs_on_the_testbed(tmp_path: Path) -> None:
     cancelled = record["cancelled_job"]
     assert cancelled["state"].startswith("CANCELLED") and cancelled["saved_step"] >= 16
     assert record["resumed_from"] == cancelled["saved_step"]  # nothing lost, nothing trained twice
-    rows = [json.loads(line) for line in (work / "runs/tiny-demo/metrics.jsonl").read_text().splitlines()]
+    rows = read_strictly(RunFolder(work / "runs/tiny-demo").metrics())
     logged = [row["step"] for row in rows if "loss" in row]
     assert logged == [1, *range(2, 41, 2)] and record["logged_lines"] == len(logged)  # each step once
     assert [a["state"].split()[0] for a in record["attempts"]] == ["CANCELLED", "COMPLETED"]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from taehv_slurm.common.runfolder import RunFolder
 from tests.helpers import REPO
 
 
@@ -50,7 +51,7 @@ def run_in(folder: Path, python: Path, *args: str, timeout: float = 300) -> subp
 
 def saved_steps(run: Path) -> list[int]:
     return sorted(int(p.parent.name.removeprefix("step_"))
-                  for p in (run / "checkpoints").glob("step_*/state.pt"))
+                  for p in RunFolder(run).checkpoints.glob("step_*/state.pt"))
 
 
 @pytest.fixture
@@ -106,7 +107,7 @@ def test_taehv_trains_beside_a_users_own_trainer_and_configs(installed: Path, us
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = users_folder / "runs" / "wheel"
     assert saved_steps(run) == [3]
-    assert '"step": 3' in (run / "metrics.jsonl").read_text()
+    assert '"step": 3' in RunFolder(run).metrics().path.read_text()
     assert "export:      taehv export" in done.stdout  # commands named the way the user ran this one
 
 

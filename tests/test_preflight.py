@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.videos import write_garbage, write_video
+from bench.videos import write_garbage, write_video
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 

@@ -1,7 +1,7 @@
 """Data preparation (jobs.prepare, trainer.prepare, trainer.prepared) with real videos, the tiny
 random-weight teacher and, for the job itself, the real Slurm testbed.
 
-The videos come from tests/videos.py: frame k of each has a flat color that encodes k, so a stored
+The videos come from bench/videos.py: frame k of each has a flat color that encodes k, so a stored
 window can be checked for being exactly the frames it claims to be.
 """
 
@@ -24,7 +24,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from taehv_slurm.common.runfolder import EventLog
+from bench.faults import wait_for
+from bench.videos import nearest_frame, write_garbage, write_video
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.trainer.data import ClipSpec, VideoFolderClips
 from taehv_slurm.trainer.manifest import INDEX_FILE, MANIFEST_FILE, PrepareSettings, index_windows
 from taehv_slurm.trainer.prepare_task import PrepareTask, should_abandon
@@ -33,8 +35,7 @@ from taehv_slurm.trainer.shapes import teacher_frame_count
 from taehv_slurm.trainer.shards import read_shard_header, shard_path, verify, write_shard
 from taehv_slurm.trainer.teacher import load_teacher
 from taehv_slurm.training import submit_training
-from tests.helpers import REPO, cli, make_cluster, metrics, tiny_train, wait_done, wait_for
-from tests.videos import nearest_frame, write_garbage, write_video
+from tests.helpers import REPO, cli, make_cluster, metrics, tiny_train, wait_done
 
 SPEC = ClipSpec(frames=8, height=64, width=64)
 LENGTHS = (24, 30, 36, 40, 28, 20)  # frames per video: 3, 3, 4, 5, 3, 2 non-overlapping 8-frame windows
@@ -250,7 +251,7 @@ def test_a_rerun_writes_only_the_missing_shards(prepared: Path, tmp_path: Path) 
     with restored_environ():
         result = PrepareTask(copy, {"device": "cpu", "torch_threads": 1}, batch=2)()
     assert result["shards_written"] == 2 and result["ok"]
-    rerun = [e for e in EventLog(copy / "run" / "events.jsonl").read() if e["time"] >= began]
+    rerun = [e for e in RunFolder(copy / "run").events().read() if e["time"] >= began]
     assert sorted(e["shard"] for e in rerun if e["event"] == "shard") == [2, 5]
     assert [e["step"] for e in rerun if e["event"] == "start"] == [5]  # 5 of 7 shards found done
     assert shard_path(copy, 0).stat().st_mtime == 1
@@ -358,7 +359,7 @@ def test_cli_dry_run_imports_no_torch_and_bad_input_is_one_line(prepared: Path, 
 
 
 def shard_events(run_dir: Path) -> list[dict]:
-    return [e for e in EventLog(run_dir / "events.jsonl").read() if e["event"] == "shard"]
+    return [e for e in RunFolder(run_dir).events().read() if e["event"] == "shard"]
 
 
 def local_prepare(videos: Path, tmp_path: Path, *extra: str) -> list[str]:
@@ -450,7 +451,7 @@ def test_two_node_job_preempted_once_then_training_from_the_shards(videos: Path,
     assert proc.returncode == 0, output[-4000:]
     assert f"job {job_id} ended: COMPLETED" in output and "unreadable 1" in output
 
-    events = EventLog(run_dir / "events.jsonl").read()
+    events = RunFolder(run_dir).events().read()
     starts = [e for e in events if e["event"] == "start"]
     requeues = [e for e in events if e["event"] == "requeue"]
     assert [e["reason"] for e in requeues] == ["preempted"] and len(starts) == 2

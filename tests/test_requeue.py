@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 from submitit.helpers import DelayedSubmission
 
+from bench.faults import children, rank_record, slowed_down, wait_for
 from taehv_slurm.backends import LocalBackend
-from taehv_slurm.common.runfolder import EventLog
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.common.security import make_private_dir, private_umask
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.context import StopFlag, grace_seconds
@@ -31,18 +32,14 @@ from taehv_slurm.training import submit_training
 from tests.helpers import (
     LOCAL_TASK_ENV,
     assert_identical,
-    children,
     events,
     final_state,
     last_step,
     make_cluster,
     metrics,
     quick_train,
-    rank_record,
-    slowed_down,
     tiny_train,
     wait_done,
-    wait_for,
 )
 from tests.tasks import CountingTask, CrashAfterStart, SlowToLoad, StopAtFirstBoundary
 from tests.wandb_offline import offline_runs
@@ -144,7 +141,7 @@ def assert_one_tracker_run(run_dir: Path, attempts: int, side: int) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logged = [row["step"] for row in metrics(run_dir) if "loss" in row]
-    ids = json.loads((run_dir / "trackers.json").read_text())
+    ids = json.loads(RunFolder(run_dir).trackers.read_text())
     folders = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert [f.name.rsplit("-", 1)[1] for f in folders] == [ids["wandb"]] * attempts
     (last,) = offline_runs(run_dir)[-1:]
@@ -252,7 +249,7 @@ def test_signals_after_the_run_finished_do_not_fail_the_job(tmp_path: Path) -> N
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines() == ["trained"]  # no "caught SIGUSR2 ... saving" for a finished run
-    kinds = [e["event"] for e in EventLog(tmp_path / "run" / "events.jsonl").read()]
+    kinds = [e["event"] for e in RunFolder(tmp_path / "run").events().read()]
     assert kinds == ["start", "finished"]
 
 
@@ -268,7 +265,7 @@ def test_signals_while_the_task_starts_are_kept_for_the_first_step_boundary(tmp_
     # (USR2) or preemption (TERM) used to end the task, and Slurm recorded the job FAILED. Here they
     # arrive while the entry point still waits for its pickle, and the task must act on them once it runs.
     run_dir = make_private_dir(tmp_path / "run")
-    folder = make_private_dir(run_dir / "submitit")
+    folder = make_private_dir(RunFolder(run_dir).submitit)
     entry = subprocess.Popen([sys.executable, "-m", "taehv_slurm.runtime.entry", str(folder)], text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              env={**os.environ, **LOCAL_TASK_ENV})
@@ -287,7 +284,7 @@ def test_signals_while_the_task_starts_are_kept_for_the_first_step_boundary(tmp_
     assert entry.returncode == LOCAL_REQUEUE_EXIT_CODE, output  # saved and asked to be requeued, not killed
     assert ("caught SIGUSR2" in output
             and "saved step 0; requeued (timeout, by local controller)" in output), output
-    start, requeue = EventLog(run_dir / "events.jsonl").read()
+    start, requeue = RunFolder(run_dir).events().read()
     assert ((start["event"], requeue["event"], requeue["reason"], requeue["step"])
             == ("start", "requeue", "timeout", 0))
     assert requeue["signal_to_saved_s"] >= 1.0  # timed from the signal's arrival, not from the task's start

@@ -26,7 +26,6 @@ without its warning is tested beside the time-limit test in tests/test_requeue.p
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import shutil
@@ -40,12 +39,14 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import rank_record, wait_for
 from taehv_slurm.backends import SlurmBackend
+from taehv_slurm.common.runfolder import JobDir, RunFolder
 from taehv_slurm.executor import make_executor
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.requeue import NotRequeueableError, RequeueableTask
 from taehv_slurm.submission import RunBusyError, submit
-from tests.helpers import REPO, events, make_cluster, quick_train, rank_record, wait_done, wait_for
+from tests.helpers import REPO, events, make_cluster, metrics, quick_train, wait_done
 from tests.tasks import CountingTask, NeverPolls, train_with_the_context
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -191,17 +192,15 @@ def test_a_task_that_builds_its_own_trainer_with_its_context_saves_into_the_run_
     name = f"nested-{uuid.uuid4().hex[:6]}"  # its train config's name: a standalone run would use runs/<name>
     cluster = make_cluster(cases.job_dir, nodes=1, gpus_per_node=1, time_min=10)
     handle = submit(functools.partial(train_with_the_context, name), cluster, "nested")
-    metrics = Path(handle.run_dir) / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300,
-             "nested training to log")
+    wait_for(lambda: len(metrics(handle.run_dir)) >= 3, 300, "nested training to log")
     subprocess.run(["scontrol", "requeue", handle.job_id], check=True)  # preemption
     assert wait_done(handle.job_id, 600) == "COMPLETED", handle.tail(60)
     (requeue,) = events(handle, "requeue")
     assert (requeue["reason"], requeue["by"]) == ("preempted", "slurm") and requeue["step"] > 0
     assert events(handle, "start")[-1]["step"] == requeue["step"]  # resumed where it saved
-    steps = [row["step"] for row in map(json.loads, metrics.read_text().splitlines()) if "loss" in row]
+    steps = [row["step"] for row in metrics(handle.run_dir) if "loss" in row]
     assert steps == list(range(1, 31))
-    assert (Path(handle.run_dir) / "checkpoints" / f"step_{requeue['step']:08d}").is_dir()
+    assert (RunFolder(handle.run_dir).checkpoints / f"step_{requeue['step']:08d}").is_dir()
     assert not (REPO / "runs" / name).exists()  # not a folder of its own in the job's cwd
 
 
@@ -224,14 +223,14 @@ def test_one_live_job_per_run(cases: Cases) -> None:
     handle = cases.busy
     wait_for(lambda: len(steps_done(handle.run_dir)) >= 3, 300, "the busy run to train")
     cluster = make_cluster(cases.job_dir, nodes=1, gpus_per_node=1, time_min=15)
-    registry = (cases.job_dir / "registry.jsonl").read_text()
+    registry = JobDir(cases.job_dir).registry.read_text()
     with pytest.raises(RunBusyError) as err:
         submit(CountingTask(3000), cluster, "busy")
     message = one_line(str(err.value))
     assert f"run busy already has job {handle.job_id} (RUNNING)" in message
     assert f"taehv logs {handle.job_id} --follow" in message and f"taehv cancel {handle.job_id}" in message
     assert "--force" in message
-    assert (cases.job_dir / "registry.jsonl").read_text() == registry  # nothing submitted
+    assert JobDir(cases.job_dir).registry.read_text() == registry  # nothing submitted
 
     # Started around submit() (another registry, by hand): the run folder's lock refuses it.
     stray = make_executor(cluster, Path(handle.run_dir) / "stray-submitit", run_dir=handle.run_dir)
@@ -262,7 +261,7 @@ def test_an_overwritten_checkpoint_is_found_once_and_the_run_resumes_before_it(c
     steady = {"intervals.log_every": 1, "intervals.ckpt_every": 2, "intervals.keep_checkpoints": 3}
     first = submit_training(cluster, quick_train(steps=6, **steady), "damaged")[0]
     assert wait_done(first.job_id, 300) == "COMPLETED", first.tail(40)
-    newest = Path(first.run_dir) / "checkpoints" / "step_00000006" / "state.pt"
+    newest = RunFolder(first.run_dir).checkpoints / "step_00000006" / "state.pt"
     size = newest.stat().st_size
     with open(newest, "r+b") as f:  # 4 KiB of random bytes in the middle: same size, still a zip file
         f.seek(size // 2)
@@ -274,7 +273,7 @@ def test_an_overwritten_checkpoint_is_found_once_and_the_run_resumes_before_it(c
     assert ("checkpoint step 6 is damaged (state.pt does not match its checksum (overwritten since it was "
             "saved))" in log and "resuming from step 4" in log), log
     assert "resumed from step 4" in log
-    aside = list((Path(first.run_dir) / "checkpoints").glob("step_00000006.damaged-*"))
+    aside = list(RunFolder(first.run_dir).checkpoints.glob("step_00000006.damaged-*"))
     assert len(aside) == 1 and (aside[0] / "state.pt").stat().st_size == size  # kept, never deleted
     (damaged,) = events(again, "checkpoint_damaged")  # decided once, by rank 0, for both ranks
     assert "checkpoint step 6 is damaged" in damaged["detail"]

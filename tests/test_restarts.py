@@ -29,13 +29,14 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import rank_record, wait_for
 from taehv_slurm.backends import SlurmBackend
 from taehv_slurm.goodput import attempt_rows
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.steps import Placement
 from taehv_slurm.slurm import SCONTROL_ENV, expand_hosts, job_info
 from taehv_slurm.training import submit_training
-from tests.helpers import events, make_cluster, metrics, quick_train, rank_record, wait_done, wait_for
+from tests.helpers import events, make_cluster, metrics, quick_train, wait_done
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 CKPT_EVERY, HANG_FLOOR_S, HEARTBEAT_S = 10, 30.0, 3.0

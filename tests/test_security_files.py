@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from taehv_slurm.common.runfolder import JobDir, RunFolder
 from taehv_slurm.common.security import UnsafePathError, check_safe_to_load
 from taehv_slurm.executor import make_executor
 from taehv_slurm.runtime.checkpoint import Checkpointer, CheckpointError
@@ -235,7 +236,7 @@ def test_a_real_slurm_job_refuses_and_submit_refuses_first(slurm_cluster, tmp_pa
                make_cluster(above / "jobs", nodes=1, gpus_per_node=1), "r",
                requeueable=False)
     assert f"{above} is writable by everyone without the sticky bit" in one_line(str(err.value))
-    assert not list((above / "jobs").rglob("*.pkl")) and not (above / "jobs" / "registry.jsonl").exists()
+    assert not list((above / "jobs").rglob("*.pkl")) and not JobDir(above / "jobs").registry.exists()
 
 
 def test_a_symbolic_link_on_the_way_is_refused(tmp_path: Path) -> None:
@@ -244,10 +245,10 @@ def test_a_symbolic_link_on_the_way_is_refused(tmp_path: Path) -> None:
     run = make_private_dir(tmp_path / "run")
     elsewhere = make_private_dir(tmp_path / "elsewhere")
     (elsewhere / "4242_submitted.pkl").write_bytes(b"x")
-    (run / "submitit").symlink_to(elsewhere)
+    RunFolder(run).submitit.symlink_to(elsewhere)
     with pytest.raises(UnsafePathError) as err:
-        check_safe_to_load(run / "submitit" / "4242_submitted.pkl", run)
-    assert one_line(str(err.value)).endswith(f"{run / 'submitit'} is a symbolic link; "
+        check_safe_to_load(RunFolder(run).submitit / "4242_submitted.pkl", run)
+    assert one_line(str(err.value)).endswith(f"{RunFolder(run).submitit} is a symbolic link; "
                                              "replace it with the real file or folder")
 
 
@@ -258,12 +259,13 @@ import hashlib, json, os, re, subprocess, sys
 from pathlib import Path
 import torch
 from taehv_slurm.runtime.checkpoint import Checkpointer
+from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.common.security import UnsafePathError, describe_secret_env
 base, planted, theirs = (Path(a) for a in sys.argv[1:4])
 run = base / "run"
-ck = Checkpointer(run / "checkpoints", trust_root=run)
+ck = Checkpointer(RunFolder(run).checkpoints, trust_root=run)
 ck.save({"w": torch.arange(4.0)}, 1, {"note": "mine"})
-state = run / "checkpoints" / "step_00000001" / "state.pt"
+state = RunFolder(run).checkpoints / "step_00000001" / "state.pt"
 digest = lambda: hashlib.sha256(state.read_bytes()).hexdigest()
 def attempt(c):
     try:
@@ -277,7 +279,7 @@ out["world_writable"] = attempt(ck)
 out["kept"] = digest() == before and ck.latest_step() == 1
 subprocess.run(re.search(r"`([^`]+)`", out["world_writable"]).group(1), shell=True, check=True)
 out["after_fix"] = attempt(ck)
-out["planted"] = attempt(Checkpointer(planted / "checkpoints", trust_root=planted))
+out["planted"] = attempt(Checkpointer(RunFolder(planted).checkpoints, trust_root=planted))
 out["theirs"] = attempt(Checkpointer(theirs))
 print(json.dumps(out))
 """
@@ -314,7 +316,7 @@ def test_checkpoint_load_refuses_writable_or_foreign_files(user: User) -> None:
     user.chown(base)
     # planted: the user's run folder, but state.pt is another user's (root's) file
     planted = base / "planted"
-    Checkpointer(planted / "checkpoints").save({"w": torch.zeros(2)}, 3)
+    Checkpointer(RunFolder(planted).checkpoints).save({"w": torch.zeros(2)}, 3)
     for path in [planted, *planted.rglob("*")]:
         if path.name != "state.pt":
             user.chown(path)
@@ -330,7 +332,7 @@ def test_checkpoint_load_refuses_writable_or_foreign_files(user: User) -> None:
     assert one_line(out["world_writable"]) == (
         f"refusing to load {run}/checkpoints/step_00000001/state.pt: {run} is writable by group or others "
         f"(mode 0777); run `chmod go-w {run}` if you trust its contents")
-    state = planted / "checkpoints" / "step_00000003" / "state.pt"
+    state = RunFolder(planted).checkpoints / "step_00000003" / "state.pt"
     assert one_line(out["planted"]).startswith(f"refusing to load {state}: "
                                                f"{state} belongs to root (uid 0), not to you")
     assert "copy what you trust into a folder of your own" in out["planted"]

@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from taehv_slurm.common.config import load_cluster
+from taehv_slurm.common.runfolder import ATTEMPTS, EVENTS, METRICS, REGISTRY, JobDir, RunFolder
 from taehv_slurm.common.security import describe_secret_env
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.checkpoint import Checkpointer
@@ -126,10 +127,10 @@ def every_file(folder: Path) -> list[Path]:
 def test_submit_writes_no_secret_and_only_private_files(runs: Runs) -> None:
     # Right after sbatch, before the jobs run: the registry, the sbatch script and the pickle.
     for run in (runs.private, runs.shared):
-        registry = (run.job_dir / "registry.jsonl").read_text()
+        registry = JobDir(run.job_dir).registry.read_text()
         record = json.loads(registry.splitlines()[-1])
         assert record["cluster"]["env"] == {SECRET_NAMED: "***", SECRET_LISTED: "***", PUBLIC: "public-value"}
-        folder = run.handle.run_dir / "submitit"
+        folder = RunFolder(run.handle.run_dir).submitit
         script = (folder / f"{run.handle.job_id}_submission.sh").read_text()
         assert "export TAEHV_SECTEST_PUBLIC=public-value" in script
         pickle = (folder / f"{run.handle.job_id}_submitted.pkl").read_bytes()
@@ -138,7 +139,7 @@ def test_submit_writes_no_secret_and_only_private_files(runs: Runs) -> None:
         allowed = 0o640 if run.group else 0o600  # sbatch ran under the library's umask
         for path in (folder / f"{run.handle.job_id}_submission.sh",
                      folder / f"{run.handle.job_id}_submitted.pkl",
-                     run.job_dir / "registry.jsonl"):
+                     JobDir(run.job_dir).registry):
             assert mode(path) & ~allowed == 0, f"{path}: {mode(path):04o}"
 
 
@@ -286,7 +287,7 @@ def test_no_secret_anywhere_under_the_job_folders(runs: Runs) -> None:
         job = run.handle.job_id
         # Not a vacuous search: every kind of file a job writes is there (pickles included).
         for expected in (f"{job}_submitted.pkl", f"{job}_0_result.pkl", f"{job}_0_log.out",
-                         f"{job}_submission.sh", "registry.jsonl", "events.jsonl", "metrics.jsonl",
+                         f"{job}_submission.sh", REGISTRY, EVENTS, METRICS,
                          "state.pt", "meta.json", "latest"):
             assert expected in names, f"{expected} missing under {run.job_dir}"
         assert any(n.startswith("events.out.tfevents") for n in names)
@@ -348,14 +349,14 @@ def test_job_files_are_private_after_a_real_job(runs: Runs) -> None:
             assert gid is None or path.stat().st_gid == gid, path
             found.add(path.name)
         # every kind of file the table has a row for, among them the two the group must read to follow a run
-        assert {"registry.jsonl", "events.jsonl", "attempts.jsonl", "metrics.jsonl", "state.pt", "latest",
-                "0.json"} <= found, found
+        assert {REGISTRY, EVENTS, ATTEMPTS, METRICS, "state.pt", "latest", "0.json"} <= found, found
     # What the job loads back (the trainer's checkpoint) is torch.load(weights_only=True)'s: only tensors and
     # plain values, the same state the library's loader gives.
     import torch
 
-    step, state, meta = Checkpointer(runs.private.handle.run_dir / "checkpoints").load_latest()
-    file = runs.private.handle.run_dir / "checkpoints" / f"step_{step:08d}" / "state.pt"
+    checkpoints = RunFolder(runs.private.handle.run_dir).checkpoints
+    step, state, meta = Checkpointer(checkpoints).load_latest()
+    file = checkpoints / f"step_{step:08d}" / "state.pt"
     assert same(torch.load(file, map_location="cpu", weights_only=True), state)
     assert step == 2 and meta["step"] == 2 and plain(state) and set(state["params"]) == set(state["exp_avg"])
 

@@ -13,21 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import wait_for
 from taehv_slurm import slurm
 from taehv_slurm.common.config import load_cluster, load_train
 from taehv_slurm.executor import SubmissionError, make_executor
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
-from tests.helpers import (
-    REPO,
-    final_state,
-    make_cluster,
-    metrics,
-    quick_train,
-    wait_done,
-    wait_for,
-)
+from tests.helpers import REPO, final_state, make_cluster, metrics, quick_train, wait_done
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 

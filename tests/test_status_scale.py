@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from taehv_slurm.common.runfolder import RunFileWarning
+from taehv_slurm.common.runfolder import JobDir, RunFileWarning
 from taehv_slurm.handle import JobHandle
-from taehv_slurm.registry import REGISTRY, Registry, read_registry
+from taehv_slurm.registry import Registry, read_registry
 from tests.helpers import REPO
 
 SCHEDULER = ("squeue", "sacct", "scontrol")
@@ -47,7 +47,7 @@ def test_eight_processes_appending_at_once_lose_no_line_and_cut_none(tmp_path: P
     writers = [subprocess.Popen([sys.executable, "-c", APPEND, str(tmp_path), str(w), str(LINES_EACH),
                                  str(go)], cwd=REPO, env=env) for w in range(WRITERS)]
     assert [w.wait(timeout=120) for w in writers] == [0] * WRITERS
-    lines = (tmp_path / REGISTRY).read_bytes().split(b"\n")
+    lines = JobDir(tmp_path).registry.read_bytes().split(b"\n")
     assert lines[-1] == b"" and len(lines) == WRITERS * LINES_EACH + 1
     records = [json.loads(line) for line in lines[:-1]]  # every line whole
     assert Counter(r["job_id"] for r in records) == {f"{w}-{i}": 1 for w in range(WRITERS)
@@ -68,18 +68,18 @@ def test_old_registries_damaged_lines_and_appends_are_read_as_before(tmp_path: P
     text = "".join(json.dumps(r) + "\n" for r in (old, by_hand))
     text += '{"event": "submitted", "time": 3.0, "job_id": "13", "run": "cut", "run_dir": "/a", "fol\n'
     text += json.dumps(record("14", "first", 4.0)) + "\n"
-    (tmp_path / REGISTRY).write_text(text + '{"event": "submitted", "time": 5.0, "job_id": "15", "run')
+    JobDir(tmp_path).registry.write_text(text + '{"event": "submitted", "time": 5.0, "job_id": "15", "run')
     with pytest.warns(RunFileWarning, match=r"skipped 1 damaged line\(s\) \(line 3: cut short"):
         registry = Registry.load(tmp_path)
     assert [r["job_id"] for r in read_registry(tmp_path)] == ["11", "12", "14"]  # the unfinished one too
     assert registry.find("11")["run_dir"] == "/old/first" and registry.find("second")["job_id"] == "12"
     assert registry.find("first")["job_id"] == "14"  # a run name: its newest job
-    with (tmp_path / REGISTRY).open("a") as f:  # its writer ends the line, another one follows
+    with JobDir(tmp_path).registry.open("a") as f:  # its writer ends the line, another one follows
         f.write('": "late", "run_dir": "/b", "folder": "/c"}\n')
         f.write(json.dumps(record("16", "first", 6.0)) + "\n")
     assert registry is Registry.load(tmp_path) and registry.job_ids() == ["11", "12", "14", "15", "16"]
     assert [r["job_id"] for r in registry.of_run("first")] == ["11", "14", "16"]
-    (tmp_path / REGISTRY).write_text(json.dumps(record("21", "new", 7.0)) + "\n")  # replaced in place
+    JobDir(tmp_path).registry.write_text(json.dumps(record("21", "new", 7.0)) + "\n")  # replaced in place
     assert Registry.load(tmp_path).job_ids() == ["21"]
 
 
@@ -89,21 +89,21 @@ def a_long_local_run(job_dir: Path, steps: int) -> list[str]:
     from taehv_slurm.common.config import load_cluster
 
     cluster = load_cluster(REPO / "configs/cluster/local.yaml").masked()
-    run_dir, now, half = job_dir / "long", time.time() - 10 * steps, steps // 2
-    (run_dir / "submitit").mkdir(parents=True)
+    run, now, half = JobDir(job_dir).run("long"), time.time() - 10 * steps, steps // 2
+    run.submitit.mkdir(parents=True)
     ids, starts = ["4242-aaaaaa", "4243-bbbbbb"], [now, now + 2 * half + 5]
-    with (job_dir / REGISTRY).open("a") as f:
+    with JobDir(job_dir).registry.open("a") as f:
         for job_id, at in zip(ids, starts):
-            f.write(json.dumps(record(job_id, "long", at, run_dir=str(run_dir),
-                                      folder=str(run_dir / "submitit"), folder_rel="long/submitit",
+            f.write(json.dumps(record(job_id, "long", at, run_dir=str(run.path),
+                                      folder=str(run.submitit), folder_rel="long/submitit",
                                       backend="local", task="TrainTask", nodes=1, world_size=1,
                                       cluster=cluster, train={"steps": steps},
                                       plan={"total_steps": steps}, sweep={})) + "\n")
-            (run_dir / "submitit" / f"{job_id}_local.json").write_text(json.dumps({"state": "COMPLETED"}))
-    checkpoint = run_dir / "checkpoints" / f"step_{steps:08d}"
+            (run.submitit / f"{job_id}_local.json").write_text(json.dumps({"state": "COMPLETED"}))
+    checkpoint = run.checkpoints / f"step_{steps:08d}"
     checkpoint.mkdir(parents=True)
     (checkpoint / "meta.json").write_text("{}")
-    (run_dir / "checkpoints" / "latest").write_text(checkpoint.name)
+    (run.checkpoints / "latest").write_text(checkpoint.name)
     events, metrics = [], []
     for job_id, at, first in zip(ids, starts, (0, half)):
         events += [{"event": "start", "time": at + 2, "began": at + 1, "step": first, "job_id": job_id,
@@ -115,8 +115,8 @@ def a_long_local_run(job_dir: Path, steps: int) -> list[str]:
                     for s in range(first + 1, first + half + 1)]
         events.append({"event": "finished", "time": metrics[-1]["time"], "step": first + half,
                        "job_id": job_id})
-    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    run.events().path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    run.metrics().path.write_text("".join(json.dumps(m) + "\n" for m in metrics))
     return ids
 
 

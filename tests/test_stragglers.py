@@ -36,21 +36,12 @@ from typing import Any
 
 import pytest
 
+from bench.faults import children, rank_record, slowed_down, wait_for
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.reports import slow_rank_note
 from taehv_slurm.trainer.stragglers import EXTRA_COMPUTE_ENV, WARMUP_STEPS, SlowRanks, latest_rank
 from taehv_slurm.training import submit_training
-from tests.helpers import (
-    children,
-    cli,
-    events,
-    make_cluster,
-    metrics,
-    quick_train,
-    rank_record,
-    slowed_down,
-    wait_for,
-)
+from tests.helpers import cli, events, make_cluster, metrics, quick_train
 
 STEADY = {"steps": 100_000, "intervals.log_every": 2, "intervals.ckpt_every": 100_000,
           "intervals.val_every": 100_000}

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import wait_for
+from bench.videos import write_garbage, write_video
+from taehv_slurm.common.runfolder import JobDir
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.provenance import commit_label
-from tests.helpers import REPO, cli, documented, wait_for
-from tests.videos import write_garbage, write_video
+from tests.helpers import REPO, cli, documented
 
 TINY = ["--train", "configs/train/tiny.yaml", "--set", "teacher.kind=none"]
 SHORT = ["--set", "steps=4", "--set", "intervals.log_every=2", "--set", "intervals.ckpt_every=2"]
@@ -252,7 +254,7 @@ def test_a_damaged_registry_beside_a_live_job(tmp_path: Path) -> None:
     live = subprocess.Popen([*cli_args(job_dir), "--set", "steps=100000", "--name", "live"], cwd=REPO,
                             env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        registry = job_dir / "registry.jsonl"
+        registry = JobDir(job_dir).registry
         wait_for(lambda: registry.exists() and "live" in registry.read_text(), 120, "the live job's record")
         with open(registry, "ab") as f:
             f.write(b"\xff\xfe junk \x00\n")
@@ -287,7 +289,7 @@ def test_a_job_folder_others_can_write_and_a_file_planted_there(tmp_path: Path) 
     assert snapshot(shared) == before and oct(shared.stat().st_mode & 0o7777) == "0o1777"  # never tightened
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
-    planted = private / "registry.jsonl"
+    planted = JobDir(private).registry
     planted.write_text(json.dumps({"event": "submitted", "job_id": "1", "run": "x", "run_dir": "/etc",
                                    "folder": "/etc"}) + "\n")
     os.chown(planted, NOBODY, NOBODY)

@@ -8,7 +8,6 @@ trackers working across a preempted run.
 
 from __future__ import annotations
 
-import json
 import shutil
 import socket
 import threading
@@ -16,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import quick_train
+from taehv_slurm.common.runfolder import RunFolder
+from tests.helpers import quick_train, read_strictly
 
 STEPS = 6
 
@@ -32,8 +32,8 @@ def train_with_mlflow(run: Path, uri: str) -> dict:
 
 def trained(run: Path) -> tuple[list[int], list[str]]:
     """The steps metrics.jsonl logged and the checkpoints kept."""
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    saved = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    rows = read_strictly(RunFolder(run).metrics())
+    saved = sorted(p.name for p in RunFolder(run).checkpoints.glob("step_*"))
     return [r["step"] for r in rows if "loss" in r], saved
 
 
@@ -61,7 +61,7 @@ def test_a_tracker_that_fails_mid_run_never_stops_training_or_its_save(
         tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     run, store = tmp_path / "mid", tmp_path / "mlruns"
-    metrics = run / "metrics.jsonl"
+    metrics = RunFolder(run).metrics().path
 
     def remove_the_store_after_step_2() -> None:  # from outside the trainer, as a lost mount would
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from taehv_slurm.common.runfolder import JobDir, RunFolder
 from tests.helpers import LOCAL_JOB_ID, cli, in_terminal
 
 
@@ -44,14 +45,14 @@ def test_live_bar_summary_and_resubmitting_a_finished_run(tmp_path: Path) -> Non
     assert exported.returncode == 0 and (run / "bar.safetensors").is_file(), exported.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["runs"]
 
-    registry = (tmp_path / "runs" / "registry.jsonl").read_text()
+    registry = JobDir(tmp_path / "runs").registry.read_text()
     again = cli("jobs.submit", "--local", "--train", "configs/train/tiny.yaml", "--name", "bar",
                 "--set", "steps=24", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert "bar (step 24 of 24) already trained every step; nothing submitted" in again.stdout
     assert "--set steps=48" in again.stdout
-    assert (tmp_path / "runs" / "registry.jsonl").read_text() == registry  # no job was started
-    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_00000024"]
+    assert JobDir(tmp_path / "runs").registry.read_text() == registry  # no job was started
+    assert [p.name for p in RunFolder(run).checkpoints.glob("step_*")] == ["step_00000024"]
 
 
 def test_local_sweep_follows_every_run_and_fails_if_one_does(tmp_path: Path) -> None:
@@ -69,7 +70,7 @@ def test_local_sweep_follows_every_run_and_fails_if_one_does(tmp_path: Path) -> 
     # The CLI returned only once every run had ended.
     job_ids = re.findall(rf"submitted job ({LOCAL_JOB_ID})", done.stdout)
     for job_id in job_ids:
-        state = json.loads(next((tmp_path / "runs" / "sw" / "submitit").glob(f"{job_id}_local.json"))
+        state = json.loads(next(JobDir(tmp_path / "runs").run("sw").submitit.glob(f"{job_id}_local.json"))
                            .read_text())
         assert state["state"] in ("COMPLETED", "FAILED")
     # Local ids never repeat: a pid is reused, but not with the same start second.

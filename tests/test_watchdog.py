@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults import wait_for
 from taehv_slurm.runtime.ranks import RankFile
 from taehv_slurm.runtime.watchdog import SectionClock, Verdict, Watchdog, WatchdogSettings
-from tests.helpers import quick_train, wait_for
+from tests.helpers import quick_train
 
 
 def test_a_section_is_timed_against_what_was_seen_of_it_after_its_warm_up() -> None:
