@@ -193,9 +193,12 @@ def requeueable_task(task: Callable[..., Any], run_dir: str | os.PathLike, clust
     on_failure = cluster.requeue_on_failure if requeue_on_failure is None else requeue_on_failure
     placement = (Placement(cluster.nodes, int(cluster.tasks_per_node or 1), cluster.fewest_nodes)
                  if cluster.restart_in_allocation else None)
-    return RequeueableTask(task, run_dir, cluster.max_requeues, cluster.max_requeues_without_progress,
-                           on_failure, cluster.signal_delay_s, cluster.kill_wait_s, backend,
-                           cluster.exclude_failed_nodes, watchdog, placement)
+    return RequeueableTask(task, run_dir, max_requeues=cluster.max_requeues,
+                           max_requeues_without_progress=cluster.max_requeues_without_progress,
+                           requeue_on_failure=on_failure, signal_delay_s=cluster.signal_delay_s,
+                           kill_wait_s=cluster.kill_wait_s, backend=backend,
+                           exclude_failed_nodes=cluster.exclude_failed_nodes, watchdog=watchdog,
+                           placement=placement)
 
 
 def task_name(task: Any) -> str:

@@ -32,6 +32,26 @@ def add_job_dir(p: argparse.ArgumentParser) -> None:
                    help="the cluster config's job_dir (default $TAEHV_JOB_DIR or runs)")
 
 
+def add_cluster_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, local: bool,
+                      nodes_required: bool = False, time_min: bool = True,
+                      set_help: str = "override any cluster or train key") -> None:
+    """The flags that pick and shape a cluster config, the same in every command that submits or checks a
+    job: --cluster (`local`: the local config with --local), --nodes, --gpus-per-node, --partition,
+    --time-min, --set. cluster_flag_overrides and flag_origins read them."""
+    default = None if local else DEFAULT_CLUSTER
+    p.add_argument("--cluster", default=default,
+                   help=f"cluster YAML (default {DEFAULT_CLUSTER}" + (f"; {LOCAL_CLUSTER} with --local)"
+                                                                     if local else ")"))
+    p.add_argument("--nodes", type=int, required=nodes_required,
+                   help="number of nodes (each runs one rank per GPU)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default from the cluster config)")
+    p.add_argument("--partition", help="Slurm partition (default from the cluster config)")
+    if time_min:
+        p.add_argument("--time-min", type=int,
+                       help="time limit in minutes (the job requeues itself past it)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+
+
 SHORTCUTS = {"nodes": "--nodes", "gpus_per_node": "--gpus-per-node", "partition": "--partition",
              "time_min": "--time-min", "max_parallel": "--max-parallel", "spare_nodes": "--spare-nodes"}
 

@@ -17,8 +17,8 @@ import argparse
 import sys
 
 from taehv_slurm.cli.common import (
-    DEFAULT_CLUSTER,
     DEFAULT_TRAIN,
+    add_cluster_flags,
     cluster_flag_overrides,
     flag_origins,
     one_line_errors,
@@ -34,13 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=command("preflight"), description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--nodes", type=int, required=True, help="nodes the run will use")
-    p.add_argument("--cluster", default=DEFAULT_CLUSTER, help=f"cluster YAML (default {DEFAULT_CLUSTER})")
     p.add_argument("--train", default=DEFAULT_TRAIN, help=f"training YAML (default {DEFAULT_TRAIN})")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default from the cluster config)")
-    p.add_argument("--partition", help="Slurm partition (default from the cluster config)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any cluster or train key")
+    add_cluster_flags(p, local=False, nodes_required=True, time_min=False)
     p.add_argument("--job", action="store_true",
                    help="also run a short job on the nodes (smoke task + bandwidth)")
     p.add_argument("--bandwidth-mib", default="1,16,128", metavar="SIZES",

@@ -25,10 +25,9 @@ from pathlib import Path
 from taehv_slurm.backends import backend_named
 from taehv_slurm.cli import watch
 from taehv_slurm.cli.common import (
-    DEFAULT_CLUSTER,
     EXIT_DONE,
     EXIT_FAILED,
-    LOCAL_CLUSTER,
+    add_cluster_flags,
     load_cluster_from_args,
     one_line_errors,
     stopped_exit_code,
@@ -71,14 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scaling-factor", type=float,
                    help="latent scale (default: the VAE config's, 0.476986 for HunyuanVideo)")
     g = p.add_argument_group("job")
-    g.add_argument("--cluster",
-                   help=f"cluster YAML (default {DEFAULT_CLUSTER}; {LOCAL_CLUSTER} with --local)")
-    g.add_argument("--nodes", type=int, help="number of nodes (each runs one rank per GPU)")
-    g.add_argument("--gpus-per-node", type=int, help="GPUs per node (default from the cluster config)")
-    g.add_argument("--partition", help="Slurm partition")
-    g.add_argument("--time-min", type=int, help="time limit in minutes (the job requeues itself past it)")
-    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a cluster key, e.g. --set qos=high")
+    add_cluster_flags(g, local=True, set_help="override a cluster key, e.g. --set qos=high")
     g.add_argument("--batch", type=int, default=2,
                    help="clips per teacher call (default 2: as fast as 4 compiled, half the memory; "
                         "docs/benchmarks.md)")

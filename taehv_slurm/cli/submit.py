@@ -25,7 +25,7 @@ from taehv_slurm.cli.common import (
     DEFAULT_TRAIN,
     EXIT_DONE,
     EXIT_FAILED,
-    LOCAL_CLUSTER,
+    add_cluster_flags,
     flag_origins,
     load_cluster_from_args,
     one_line_errors,
@@ -54,20 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=command("submit"), description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--cluster",
-                   help=f"cluster YAML (default {DEFAULT_CLUSTER}; {LOCAL_CLUSTER} with --local)")
     p.add_argument("--train", default=DEFAULT_TRAIN, help=f"training YAML (default {DEFAULT_TRAIN})")
     p.add_argument("--task", choices=["train", "smoke"], default="train", help="what to run (default train)")
-    p.add_argument("--nodes", type=int, help="number of nodes (each runs one task per GPU)")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default from the cluster config)")
+    add_cluster_flags(p, local=True, set_help="override any cluster or train key, e.g. --set optim.lr=2e-4 "
+                                              "--set env.NCCL_DEBUG=INFO")
     p.add_argument("--spare-nodes", type=int,
                    help="nodes asked beyond --nodes: each can take a failed node's place inside the job "
                         "(default from the cluster config, 0)")
-    p.add_argument("--partition", help="Slurm partition")
-    p.add_argument("--time-min", type=int, help="time limit in minutes (the job requeues itself past it)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any cluster or train key, e.g. --set optim.lr=2e-4 "
-                        "--set env.NCCL_DEBUG=INFO")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="submit one run per value (a job array); several --sweep make a grid")
     p.add_argument("--max-parallel", type=int, metavar="N",

@@ -103,9 +103,9 @@ class RequeueableTask(submitit.helpers.Checkpointable):
     tells a hang from a slow step (taehv_slurm.runtime.watchdog).
     """
 
-    def __init__(self, task: Callable[[RunContext], Any], run_dir: str | os.PathLike, max_requeues: int = 20,
-                 max_requeues_without_progress: int = 2, requeue_on_failure: bool = True,
-                 signal_delay_s: int = 120, kill_wait_s: int = 30,
+    def __init__(self, task: Callable[[RunContext], Any], run_dir: str | os.PathLike, *,
+                 max_requeues: int = 20, max_requeues_without_progress: int = 2,
+                 requeue_on_failure: bool = True, signal_delay_s: int = 120, kill_wait_s: int = 30,
                  backend: RankBackend | None = None, exclude_failed_nodes: bool = True,
                  watchdog: WatchdogSettings | None = None, placement: Placement | None = None) -> None:
         check_takes_context(task)

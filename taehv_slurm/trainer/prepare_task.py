@@ -122,7 +122,7 @@ class _Worker:
         self.out = Path(task.out)
         # Each shard is written (serialised, fsynced, renamed) on a thread while the teacher encodes the next;
         # at most one in flight. With the latents kept on the GPU until a shard is complete (`_encode`), the
-        # GPU never waits for the host: busy 99.5 % of the loop on an H100 (bench/prepare_timeline.py).
+        # GPU does not wait for a shard's write.
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
         self.writing: Future | None = None
         # Each batch's frames are copied to the GPU on a stream of their own while the teacher encodes the
