@@ -238,3 +238,9 @@ def test_ruff_is_clean_at_the_configured_line_length() -> None:
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], capture_output=True,
                           text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """A module's name tells which one it is, whatever its layer (the CLI's commands keep their names)."""
+    names = [p.stem for p in PACKAGE.rglob("*.py") if p.name not in ("__init__.py", "__main__.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
