@@ -126,7 +126,9 @@ def measure(shape: tuple[int, int], engine: str, args: argparse.Namespace, prepa
     train = load_train(SHIPPED, **train_sets)
     plan = plan_for_cluster(cluster, train)
     figures = steady(rows, args.warmup_steps, plan.effective_batch)
-    ranks_env = watcher.found
+    ranks_env = watcher.found  # the ranks seen alive while training (a short run may end between polls)
+    hosts = {int(p.stem): json.loads(p.read_text()).get("host")
+             for p in RunFolder(run_dir).ranks.glob("*.json")}
     return {"shape": f"{nodes}x{gpus}", "engine_asked": engine, "nodes": nodes, "gpus_per_node": gpus,
             "exit": code, "wall_s": round(seconds, 1), "engine": plan.engine, "grad_accum": plan.grad_accum,
             "loader_workers": plan.num_workers, **figures,
@@ -134,7 +136,8 @@ def measure(shape: tuple[int, int], engine: str, args: argparse.Namespace, prepa
             "transports": transports(run_dir), "plan_nccl_env": plan.nccl_env,
             "ranks_got_plan_env": bool(ranks_env) and all(
                 all(r["env"].get(k) == v for k, v in plan.nccl_env.items()) for r in ranks_env.values()),
-            "ranks_seen": {str(k): v for k, v in sorted(ranks_env.items())}}
+            "ranks_seen": {str(k): v for k, v in sorted(ranks_env.items())},
+            "rank_hosts": {str(k): v for k, v in sorted(hosts.items())}}  # from each rank's own record
 
 
 def parse_args() -> argparse.Namespace:
