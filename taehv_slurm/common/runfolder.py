@@ -152,8 +152,9 @@ class EventLog:
         """Append one event: `event` and `time` (now) first, then `fields`."""
         self.append({"event": event, "time": time.time(), **fields})
 
-    def append(self, record: Mapping[str, Any]) -> None:
-        """Append `record` as one whole line, as it is (metrics lines have no `event`), durably (fsync)."""
+    def append(self, record: Mapping[str, Any], durable: bool = True) -> None:
+        """Append `record` as one whole line, as it is (metrics lines have no `event`); `durable`: fsynced
+        before this returns."""
         # Strict JSON for every reader: a NaN or infinity is written as null.
         record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
         line = json.dumps(record, default=str, allow_nan=False)
@@ -171,7 +172,8 @@ class EventLog:
             cut = stat.st_size > 0 and os.pread(fd, 1, stat.st_size - 1) != b"\n"
             # one write of one line (O_APPEND): appends of other writers never interleave with it
             os.write(fd, (("\n" if cut else "") + line + "\n").encode())
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         finally:
             os.close(fd)  # and the lock with it
 

@@ -157,7 +157,9 @@ class MetricsWriter:
         values = {k: finite_or_none(v) for k, v in values.items()}
         row = {"step": step, "time": time.time(),
                **({f"val_{k}": v for k, v in values.items()} if prefix == "val" else values)}
-        self.log.append(row)
+        # not fsynced: rank 0 writes it inside the loop, where the other ranks would wait for a slow
+        # filesystem's fsync; a line cut by a crash is skipped by every reader
+        self.log.append(row, durable=False)
         scalars = self.tagged(values, prefix)
         for tag, value in scalars.items():
             self.tb.add_scalar(tag, value, step)
