@@ -7,9 +7,9 @@ processes on one cache folder: the first fills it (cold), the next ones start fr
     python bench/compile_start.py --height 32 --width 32 --mode default --ab   # CPU (inductor's C++)
 
 Each process reports its imports, its model and engine build, its first step (Dynamo, the caches' lookups or
-the compile, the first run), its second step, and torch's cache counters (`aot_autograd`: hit, miss or
-bypass). The user's figure, job start to first step through `jobs.submit`, is bench/e2e_throughput.py's
-`first_step_s`.
+the compile, the first run), its second step, torch's cache counters (`aot_autograd`: hit, miss or
+bypass) and torch's timers of the compile's phases (`compile_phases_s`, those of 0.1 s or more). The
+user's figure, job start to first step through `jobs.submit`, is bench/e2e_throughput.py's `first_step_s`.
 
 "before" (--ab) undoes two changes of 2026-11-27: the model's autocast blocks marked cacheable
 (`AUTOCAST_IN_GRAPH`; torch >= 2.12 bypassed its AOT autograd cache without it) and the all-reduce
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def one_start(args: argparse.Namespace) -> dict:
     """This process: build, compile and run two steps as a rank does; times from the process's start."""
     import torch
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compile_times, counters
 
     from taehv_slurm.trainer.build import configure_backends
     from taehv_slurm.trainer.engine import Microbatch, make_engine
@@ -75,11 +75,14 @@ def one_start(args: argparse.Namespace) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter())
+    names, seconds = compile_times(repr="csv", aggregate=True)  # torch's own timers of the compile's phases
+    phases = {name: round(float(s), 2) for name, s in zip(names, seconds) if float(s) >= 0.1}
     return {"imports_s": round(imported - START, 2), "build_s": round(built - imported, 2),
             "first_step_s": round(times[0] - built, 2), "second_step_s": round(times[1] - times[0], 2),
             "start_to_first_step_s": round(times[0] - START, 2),
             "aot_autograd": dict(counters["aot_autograd"]), "fxgraph": {
-                k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")}}
+                k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
+            "compile_phases_s": phases}
 
 
 def main() -> None:
