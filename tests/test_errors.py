@@ -258,10 +258,11 @@ def test_unpicklable_task_names_the_attribute() -> None:
 
 
 def test_the_exit_code_table_is_the_codes_the_commands_use() -> None:
-    """docs/errors.md's exit codes are the CLI's (taehv_slurm.cli.common); the tests it names run each one."""
+    """docs/errors.md's exit codes are the CLI's (taehv_slurm.cli.conventions); the tests it names run each
+    one."""
     import signal
 
-    from taehv_slurm.cli.common import EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, stopped_exit_code
+    from taehv_slurm.cli.conventions import EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, stopped_exit_code
 
     text = (REPO / "docs/errors.md").read_text()
     section = text.split("## Exit codes", 1)[1].split("\n## ", 1)[0]

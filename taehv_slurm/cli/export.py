@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from taehv_slurm.cli.common import add_job_dir, one_line_errors
+from taehv_slurm.cli.conventions import add_job_dir, one_line_errors
 from taehv_slurm.common.messages import command
 from taehv_slurm.trainer.weights import DTYPES, ExportError, export_weights
 

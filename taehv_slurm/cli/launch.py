@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from taehv_slurm.backends import PlatformBackend
-from taehv_slurm.cli.common import DEFAULT_TRAIN, flag_origins, one_line_errors
+from taehv_slurm.cli.conventions import DEFAULT_TRAIN, flag_origins, one_line_errors
 from taehv_slurm.common.config import (
     ClusterConfig,
     ConfigError,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from taehv_slurm.cli.common import add_job_dir, one_line_errors
+from taehv_slurm.cli.conventions import add_job_dir, one_line_errors
 from taehv_slurm.common.messages import command
 from taehv_slurm.handle import JobHandle
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from taehv_slurm.cli.common import (
+from taehv_slurm.cli.conventions import (
     DEFAULT_TRAIN,
     add_cluster_flags,
     cluster_flag_overrides,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from taehv_slurm.backends import backend_named
 from taehv_slurm.cli import watch
-from taehv_slurm.cli.common import (
+from taehv_slurm.cli.conventions import (
     EXIT_DONE,
     EXIT_FAILED,
     add_cluster_flags,

@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from taehv_slurm.cli.common import add_job_dir, one_line_errors
+from taehv_slurm.cli.conventions import add_job_dir, one_line_errors
 from taehv_slurm.common.messages import command
 from taehv_slurm.common.runfolder import REGISTRY
 from taehv_slurm.handle import JobHandle

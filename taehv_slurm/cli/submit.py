@@ -20,7 +20,7 @@ from pathlib import Path
 from taehv_slurm import slurm, snapshot
 from taehv_slurm.backends import backend_named
 from taehv_slurm.cli import watch
-from taehv_slurm.cli.common import (
+from taehv_slurm.cli.conventions import (
     DEFAULT_CLUSTER,
     DEFAULT_TRAIN,
     EXIT_DONE,

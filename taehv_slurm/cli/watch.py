@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from taehv_slurm.cli.common import EXIT_DONE, EXIT_FAILED, stop_signal, stopped_exit_code
+from taehv_slurm.cli.conventions import EXIT_DONE, EXIT_FAILED, stop_signal, stopped_exit_code
 from taehv_slurm.common.messages import command
 from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.goodput import summary as goodput_summary

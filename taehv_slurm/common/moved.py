@@ -1,10 +1,11 @@
 """Modules that moved, under their old names, until the next minor release (0.2).
 
 The shared layer moved into `taehv_slurm/common/` and a few modules were renamed so that no two layers hold
-a module of the same name. A user's `from taehv_slurm.config import load_cluster`, and a job pickled before
-an update and started (or requeued) after it, still name the old modules: `install()` (run by
-`import taehv_slurm`) resolves each old name to the module now holding its code — the same module object,
-not a copy. Only names under `taehv_slurm.` resolve here, so nothing of the user's is shadowed.
+a module of the same name, and no module shares a package's name. A user's `from taehv_slurm.config import
+load_cluster`, and a job pickled before an update and started (or requeued) after it, still name the old
+modules: `install()` (run by `import taehv_slurm`) resolves each old name to the module now holding its
+code — the same module object, not a copy. Only names under `taehv_slurm.` resolve here, so nothing of the
+user's is shadowed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ MOVED = {
     "taehv_slurm.trainer.prepare": "taehv_slurm.trainer.prepare_task",
     "taehv_slurm.trainer.export": "taehv_slurm.trainer.weights",
     "taehv_slurm.runtime.backend": "taehv_slurm.runtime.rank_backend",
+    "taehv_slurm.cli.common": "taehv_slurm.cli.conventions",
 }
 
 

@@ -1,4 +1,5 @@
-"""What the CLIs share: default config paths, the shortcut flags, and one-line errors instead of tracebacks.
+"""The conventions every command follows: default config paths, the shortcut flags, exit codes, and one-line
+errors instead of tracebacks.
 
 Config paths such as `configs/train/tiny.yaml` work from any folder: the library falls back to the
 example configs installed with the package (taehv_slurm.common.config.shipped_config).
