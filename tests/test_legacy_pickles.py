@@ -1,11 +1,14 @@
 """A job queued under the old module names (earlier 0.1.0 code) still runs after an update: its pickle names
 the old modules (`trainer.train.TrainTask`, `taehv_slurm.requeue.RequeueableTask`, no backend object), and the
-entry point resolves them (taehv_slurm/runtime/legacy.py) — even beside a user's own `trainer.py`."""
+entry point resolves them (taehv_slurm/runtime/legacy.py) — even beside a user's own `trainer.py`. A job_dir
+and a job pickle the code before 0.2's layout wrote (tests/fixtures/job_dir_before_0_2/) still read, resume
+and load."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +105,62 @@ def test_modules_moved_into_the_shared_layer_still_load_under_their_old_names(tm
     assert loaded.returncode == 0, loaded.stderr.decode()[-3000:]
     module, job_dir = loaded.stdout.decode().split()
     assert module == "taehv_slurm.common.config" and job_dir
+
+
+# A job_dir as the code before the move wrote it (45544a0; tests/fixtures/job_dir_before_0_2/README.md).
+BEFORE_THE_MOVE = REPO / "tests" / "fixtures" / "job_dir_before_0_2"
+ITS_SETTINGS = ("intervals.log_every=1", "intervals.ckpt_every=2", "intervals.val_every=2",
+                "intervals.keep_checkpoints=1", "model.encoder_width=8", "model.decoder_widths=[8,8,8,8]")
+ITS_TRAIN_FLAGS = ["--train", "configs/train/tiny.yaml", "--name", "before-0-2",
+                   *(flag for setting in ITS_SETTINGS for flag in ("--set", setting))]
+
+
+def test_a_job_dir_written_before_the_move_reads_and_resumes(tmp_path: Path) -> None:
+    """Status, the handle's metrics and a resume by name work on the old files, moved to another folder."""
+    from taehv_slurm.handle import JobHandle
+
+    job_dir = shutil.copytree(BEFORE_THE_MOVE, tmp_path / "moved-job-dir")
+    taehv = [sys.executable, "-m", "taehv_slurm"]
+    status = subprocess.run([*taehv, "status", "before-0-2", "--job-dir", str(job_dir)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    row = status.stdout.splitlines()[1].split()
+    assert row[:2] == ["7852-tplkwm", "before-0-2"] and "COMPLETED" in row and "4/4" in row, status.stdout
+    handle = JobHandle.attach("before-0-2", job_dir)
+    assert handle.run_dir == job_dir / "before-0-2" and handle.last_step() == 4
+    assert handle.metrics().query("event == 'train'")["step"].tolist() == [1, 2, 3, 4]
+
+    resumed = subprocess.run([*taehv, "submit", "--local", *ITS_TRAIN_FLAGS, "--set", "steps=6", "--set",
+                              f"job_dir={job_dir}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    starts = [e for e in RunFolder(job_dir / "before-0-2").events().read() if e["event"] == "start"]
+    assert [(e["job_id"], e["step"]) for e in starts][0] == ("7852-tplkwm", 0)
+    assert [e["step"] for e in starts][1:] == [4], starts  # the new job began at the old checkpoint
+    again = JobHandle.attach("before-0-2", job_dir)
+    assert again.job_id != "7852-tplkwm" and again.last_step() == 6
+    assert again.metrics().query("event == 'train'")["step"].tolist() == [1, 2, 3, 4, 5, 6]
+
+
+# The entry point's steps before submitit runs a pickle (legacy.install), then what the old pickle holds.
+OLD_PICKLE_LOADS = """
+import pickle, sys
+from taehv_slurm.runtime import legacy
+legacy.install()
+with open(sys.argv[1], "rb") as f:
+    task = pickle.load(f).function
+runtime, built = task.task.kwargs["runtime"], task.task.build()
+print(type(task).__name__, type(runtime).__module__, type(built).__module__, type(task.backend).__name__,
+      task.run_dir)
+"""
+
+
+def test_a_job_pickle_written_before_the_move_loads_as_the_current_classes(tmp_path: Path) -> None:
+    pickle = next((BEFORE_THE_MOVE / "before-0-2" / "submitit").glob("*_submitted.pkl"))
+    assert b"taehv_slurm.config" in pickle.read_bytes() and b"taehv_slurm.common" not in pickle.read_bytes()
+    loaded = subprocess.run([sys.executable, "-c", OLD_PICKLE_LOADS, str(pickle)], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "SUBMITIT_EXECUTOR": "local"},
+                            capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert loaded.stdout.split() == ["RequeueableTask", "taehv_slurm.common.config",
+                                     "taehv_slurm.trainer.task", "LocalBackend",
+                                     "/tmp/taehv-0.1-job-dir/before-0-2"]
