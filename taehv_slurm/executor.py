@@ -68,7 +68,7 @@ def step_loop(python: str, folder: Path, run_dir: Path | None, cluster: ClusterC
         'job=$SLURM_JOB_ID; [ -n "$SLURM_ARRAY_JOB_ID" ] && job=${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID',
         f'log={out}%j_%t_log.out; [ -n "$SLURM_ARRAY_JOB_ID" ] && log={out}%A_%a_%t_log.out',
         f"{python} -m taehv_slurm.runtime.steps first {shlex.quote(str(folder))} {cluster.nodes} "
-        f"{cluster.tasks_per_node} || taehv_exit 1",
+        f"{cluster.tasks_per_node} {cluster.fewest_nodes} || taehv_exit 1",
         "while :; do",
         f'  {srun} --output "$log" $(cat {out}"$job"_srun_args) {ranks}',
         "  srun_status=$?",

@@ -51,7 +51,6 @@ from taehv_slurm.runs import asked_once
 from taehv_slurm.runtime.rank_backend import RankBackend
 from taehv_slurm.runtime.requeue import RequeueableTask, check_takes_context
 from taehv_slurm.runtime.runlock import lock_holder
-from taehv_slurm.runtime.steps import Placement
 from taehv_slurm.runtime.watchdog import WatchdogSettings
 
 
@@ -191,14 +190,11 @@ def requeueable_task(task: Callable[..., Any], run_dir: str | os.PathLike, clust
                                 factor=cluster.hang_factor, uncalibrated_s=cluster.hang_uncalibrated_s,
                                 enabled=cluster.hang_detection)
     on_failure = cluster.requeue_on_failure if requeue_on_failure is None else requeue_on_failure
-    placement = (Placement(cluster.nodes, int(cluster.tasks_per_node or 1), cluster.fewest_nodes)
-                 if cluster.restart_in_allocation else None)
     return RequeueableTask(task, run_dir, max_requeues=cluster.max_requeues,
                            max_requeues_without_progress=cluster.max_requeues_without_progress,
                            requeue_on_failure=on_failure, signal_delay_s=cluster.signal_delay_s,
                            kill_wait_s=cluster.kill_wait_s, backend=backend,
-                           exclude_failed_nodes=cluster.exclude_failed_nodes, watchdog=watchdog,
-                           placement=placement)
+                           exclude_failed_nodes=cluster.exclude_failed_nodes, watchdog=watchdog)
 
 
 def task_name(task: Any) -> str:

@@ -228,10 +228,10 @@ REACHES = {
     # the ranks' first step on `nodes` of the allocation, which holds `spare_nodes` more
     "nodes": lambda s: f"taehv_slurm.runtime.steps first {s.script_folder} 3 3 " in s.script,
     "spare_nodes": lambda s: "#SBATCH --nodes=4" in s.script,
-    "restart_in_allocation": lambda s: ("TAEHV_STEP_LOOP=1" not in s.script and "--no-kill" not in s.script
-                                        and s.task.placement is None
-                                        and "--no-kill" in s.variant(restart_in_allocation=True).script),
-    "min_nodes": lambda s: s.variant(restart_in_allocation=True).task.placement.min_nodes == 2,
+    "restart_in_allocation": lambda s: all(
+        ("TAEHV_STEP_LOOP=1" in v.script) == ("--no-kill" in v.script) == on
+        for on in (False, True) for v in [s.variant(restart_in_allocation=on)]),
+    "min_nodes": lambda s: f"taehv_slurm.runtime.steps first {s.script_folder} 3 3 2 " in s.script,
     "gpus_per_node": lambda s: "#SBATCH --gres=gpu:6" in s.variant(gres=None).script,
     "tasks_per_node": lambda s: "#SBATCH --ntasks-per-node=3" in s.script,
     "allow_task_gpu_mismatch": lambda s: _refused(allow_task_gpu_mismatch=False),

@@ -33,6 +33,7 @@ from bench.faults import rank_record, wait_for
 from taehv_slurm.backends import SlurmBackend
 from taehv_slurm.goodput import attempt_rows
 from taehv_slurm.handle import JobHandle
+from taehv_slurm.runtime import steps
 from taehv_slurm.runtime.steps import Placement
 from taehv_slurm.slurm import SCONTROL_ENV, expand_hosts, job_info
 from taehv_slurm.training import submit_training
@@ -250,3 +251,21 @@ def test_a_placement_takes_spares_first_then_shrinks_to_its_floor() -> None:
     assert Placement(2, 8, 2).choose(["n1", "n2"], ["n2"]) is None  # min_nodes = nodes: requeue instead
     assert placement.srun_args(["n1", "n3"]) == ("--nodes=2 --ntasks=16 --ntasks-per-node=8 "
                                                  "--nodelist=n1,n3")
+
+
+def test_the_first_step_keeps_the_jobs_placement_for_its_restarts(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch script's first line is the one channel of the node count: its placement is kept for the
+    restarts, and the line a script of older code wrote (no MIN_NODES) keeps the run at its node count."""
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[1-3]")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert steps.main(["first", str(tmp_path), "2", "8", "1"]) == 0
+    assert steps.read_placement(tmp_path, "77") == Placement(nodes=2, tasks_per_node=8, min_nodes=1)
+    assert steps.args_path(tmp_path, "77").read_text() == ("--nodes=2 --ntasks=16 --ntasks-per-node=8 "
+                                                           "--nodelist=n1,n2\n")
+    assert steps.main(["first", str(tmp_path), "2", "8"]) == 0
+    assert steps.read_placement(tmp_path, "77") == Placement(nodes=2, tasks_per_node=8, min_nodes=2)
+    assert steps.main(["first", str(tmp_path), "4", "8", "4"]) == 1  # the allocation has 3 nodes
+    assert steps.read_placement(tmp_path, "78") is None

@@ -11,7 +11,7 @@ requeue: the requeue limit, no progress, and a failure that repeats. A task's `F
 run) never restarts. Each rank keeps its record in the run folder (taehv_slurm.runtime.ranks), and once
 every rank has ended, `after_ranks` — run where the ranks were started from (the sbatch script after srun,
 or the local controller) — names the ranks that were killed from outside. Where the sbatch script restarts
-the ranks inside the allocation (`placement`, taehv_slurm.runtime.steps), a rank that crashes or finds a
+the ranks inside the allocation (taehv_slurm.runtime.steps), a rank that crashes or finds a
 hang records it and ends the job step, and `after_ranks` decides what follows (taehv_slurm.runtime.restart);
 elsewhere a rank that crashes mid-training requeues the job where the backend can (once per restart, by an
 exclusive claim file), a hang's verdict requeues it without the culprit's node, and `after_ranks` requeues
@@ -45,7 +45,7 @@ from taehv_slurm.runtime.guards import Guards, is_communication_error, is_hardwa
 from taehv_slurm.runtime.rank_backend import RankBackend
 from taehv_slurm.runtime.ranks import RankFile, describe_ranks, killed_ranks, node_name, read_ranks
 from taehv_slurm.runtime.runlock import RunLock
-from taehv_slurm.runtime.steps import FOLLOW_UP_EXIT_CODE, Placement, handed_over, in_step_loop, launch_number
+from taehv_slurm.runtime.steps import FOLLOW_UP_EXIT_CODE, handed_over, in_step_loop, launch_number
 from taehv_slurm.runtime.watchdog import Verdict, Watchdog, WatchdogSettings
 
 SIGNAL_NOTES = {signal.SIGKILL: " (often the kernel's out-of-memory killer, or a node being taken away)",
@@ -107,7 +107,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
                  max_requeues: int = 20, max_requeues_without_progress: int = 2,
                  requeue_on_failure: bool = True, signal_delay_s: int = 120, kill_wait_s: int = 30,
                  backend: RankBackend | None = None, exclude_failed_nodes: bool = True,
-                 watchdog: WatchdogSettings | None = None, placement: Placement | None = None) -> None:
+                 watchdog: WatchdogSettings | None = None) -> None:
         check_takes_context(task)
         self.task = task
         self.backend = backend or RankBackend()
@@ -117,7 +117,6 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         self.exclude_failed_nodes = exclude_failed_nodes
         self.watchdog = watchdog or WatchdogSettings()
         self.grace_s = grace_seconds(signal_delay_s, kill_wait_s)
-        self.placement = placement  # None: a fault requeues the job; else the batch script restarts its ranks
 
     def __call__(self) -> Any:
         stop = StopFlag(self.grace_s)
@@ -288,9 +287,9 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         os._exit(self.backend.requeue_exit_code if event == "requeue" else 1)
 
     def restarts_here(self) -> bool:
-        """After a fault, the batch script starts the ranks again inside the allocation (the cluster's
-        restart_in_allocation, and a script that loops; jobs queued by older code have neither)."""
-        return getattr(self, "placement", None) is not None and in_step_loop()
+        """After a fault, the batch script starts the ranks again inside the allocation: it loops (the
+        cluster's restart_in_allocation; jobs queued by older code loop only where they named a placement)."""
+        return in_step_loop()
 
     # ------------------------------------------------------------------------------ after the ranks
     def after_ranks(self, status: int, last_error: str = "") -> int:

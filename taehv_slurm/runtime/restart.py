@@ -37,6 +37,8 @@ from taehv_slurm.runtime.steps import (
     allocation_nodes,
     handed_over,
     launch_number,
+    placement_path,
+    read_placement,
     write_step,
 )
 
@@ -134,17 +136,21 @@ def restart_or_requeue(task: RequeueableTask, events: EventLog, run_dir: Path, j
     history = events.read()
     before = excluded_so_far(history, job_id, restart)
     now = [h for h in (fault["hosts"] if task.exclude_failed_nodes else []) if h not in before]
-    nodes = task.placement.choose(allocation_nodes(), before + now)
+    folder = os.environ["SUBMITIT_FOLDER"]
+    # kept by the batch script's first line; a job queued by older code named it in its pickle
+    placement = getattr(task, "placement", None) or read_placement(folder, job_id)
+    nodes = placement.choose(allocation_nodes(), before + now) if placement else None
     left, needed = task.backend.seconds_left(job_id), restart_needs_s(task, history)
     if nodes is None or (left is not None and left < needed):
-        why = ("no usable set of nodes is left in the allocation" if nodes is None
+        why = (f"the job's placement ({placement_path(folder, job_id)}) is missing" if placement is None
+               else "no usable set of nodes is left in the allocation" if nodes is None
                else f"{left:.0f} s are left before the time limit, a restart needs ~{needed:.0f} s")
         print(f"[taehv] requeueing instead of restarting in the allocation: {why}", flush=True)
         event = task._requeue_or_stop(events, run_dir, job_id, segment, fault["cause"], fault["step"], now,
                                       since=fault["time"])
         return FOLLOW_UP_EXIT_CODE if event == "requeue" and handed_over(events.read()[-1:]) else status
     saved = Checkpointer(RunFolder(run_dir).checkpoints).read_meta()
-    tasks_per_node = task.placement.tasks_per_node
+    tasks_per_node = placement.tasks_per_node
     released = task.backend.release_nodes(job_id, before + now) if before + now else {}
     events.write("restart", segment=segment, cause=fault["cause"], step=saved["step"] if saved else 0,
                  failed_at_step=fault["step"], excluded=before + now, left_out=now, nodes=nodes,
@@ -158,7 +164,7 @@ def restart_or_requeue(task: RequeueableTask, events: EventLog, run_dir: Path, j
           + (f"; {','.join(released['released'])} given back to Slurm" if released.get("released") else "")
           + (f"; could not give the left-out nodes back: {released['release_error']}"
              if released.get("release_error") else ""), flush=True)
-    write_step(os.environ["SUBMITIT_FOLDER"], job_id, task.placement, nodes)
+    write_step(folder, job_id, placement, nodes)
     return RESTART_EXIT_CODE
 
 

@@ -7,19 +7,22 @@ start again inside the allocation — on the healthy nodes, a spare taking a fai
 nodes at the same effective batch — and writes the next step's placement here; the script starts it without
 going back to the queue. The loop in the script (taehv_slurm.executor):
 
-    python -m taehv_slurm.runtime.steps first FOLDER NODES TASKS_PER_NODE    # the first step's nodes
+    python -m taehv_slurm.runtime.steps first FOLDER NODES TASKS_PER_NODE MIN_NODES   # the first step's nodes
     while :; do srun $(cat FOLDER/<job>_srun_args) ... entry FOLDER RUN_DIR
                 entry --after $? FOLDER RUN_DIR || [ $? = 75 ] && next launch ... ; done
 
-Only the submitting side writes that loop (jobs queued by older code run one step, as before).
+That first line is the one way the node count reaches a job: `first` keeps the placement beside the step's
+flags (`<job>_placement.json`), and a restart reads it there. Only the submitting side writes that loop
+(jobs queued by older code run one step, as before, or name their placement in their pickle).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from taehv_slurm.common.runfolder import write_text_atomic
@@ -84,24 +87,42 @@ def args_path(folder: str | os.PathLike, job_id: str) -> Path:
     return Path(folder) / f"{job_id}_srun_args"
 
 
+def placement_path(folder: str | os.PathLike, job_id: str) -> Path:
+    """Where `first` keeps the job's placement for its restarts."""
+    return Path(folder) / f"{job_id}_placement.json"
+
+
+def read_placement(folder: str | os.PathLike, job_id: str) -> Placement | None:
+    """The placement `first` kept for this job, None where it kept none (a script of older code)."""
+    try:
+        return Placement(**json.loads(placement_path(folder, job_id).read_text()))
+    except FileNotFoundError:
+        return None
+
+
 def write_step(folder: str | os.PathLike, job_id: str, placement: Placement, nodes: Sequence[str]) -> None:
     # whole or not at all: the batch script reads it with $(cat ...) the moment this step ends
     write_text_atomic(args_path(folder, job_id), placement.srun_args(nodes) + "\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`first FOLDER NODES TASKS_PER_NODE`: the first step's flags, on the first NODES nodes."""
+    """`first FOLDER NODES TASKS_PER_NODE [MIN_NODES]`: the job's placement kept for its restarts, and the
+    first step's flags, on the first NODES nodes (MIN_NODES, NODES by default: a script of older code)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 4 or args[0] != "first":
-        print("usage: python -m taehv_slurm.runtime.steps first FOLDER NODES TASKS_PER_NODE", file=sys.stderr)
+    if len(args) not in (4, 5) or args[0] != "first":
+        print("usage: python -m taehv_slurm.runtime.steps first FOLDER NODES TASKS_PER_NODE [MIN_NODES]",
+              file=sys.stderr)
         return 2
-    placement = Placement(int(args[2]), int(args[3]), int(args[2]))
+    folder, counts = args[1], [int(a) for a in args[2:]]
+    placement = Placement(counts[0], counts[1], counts[2] if len(counts) == 3 else counts[0])
     nodes = placement.choose(allocation_nodes(), ())
     if nodes is None:
         print(f"[taehv] the allocation ({os.environ.get('SLURM_JOB_NODELIST')}) has fewer than "
-              f"{args[2]} nodes", file=sys.stderr)
+              f"{placement.nodes} nodes", file=sys.stderr)
         return 1
-    write_step(args[1], slurm_job_id(os.environ), placement, nodes)
+    job_id = slurm_job_id(os.environ)
+    write_text_atomic(placement_path(folder, job_id), json.dumps(asdict(placement)) + "\n")
+    write_step(folder, job_id, placement, nodes)
     return 0
 
 
