@@ -322,6 +322,9 @@ def named_by(pattern: str, path: Path, run: Run) -> bool:
     """Whether a pattern of the table names `path` (a job folder's file or folder)."""
     if pattern in ("job_dir", "<run>/"):
         return path == (run.job_dir if pattern == "job_dir" else Path(run.handle.run_dir))
+    # the code copy's files are its rows', whatever their names (a tracked `registry.jsonl` fixture)
+    if path.relative_to(run.job_dir).parts[:1] == ("code",) and not pattern.startswith("code/"):
+        return False
     wildcard = pattern.replace("<rank>", "*").replace("<digest>", "*")
     if pattern.endswith("/"):  # a folder: by its name, or by its path (`code/<digest>/`: the copy's folders)
         inside = "/" in pattern[:-1]
