@@ -120,10 +120,10 @@ def test_a_rank_with_more_compute_is_named_with_cause_compute(jobs: Jobs) -> Non
 
 def test_a_throttled_host_is_named_with_cause_host_within_three_windows(jobs: Jobs) -> None:
     handle = jobs.host
-    # Each running spell is shorter than the rank's own work of one window (2 steps, over 0.1 s even alone
-    # on a core): no window falls between two stops. With 0.2 s spells, a window fitted inside one at
-    # times, was on time, and under the suite's load the streak of 3 took 8 windows.
-    slow, windows = named_after(handle, lambda pid: slowed_down(pid, 0.6, 0.1), "throttled host")
+    # Each running spell (0.04 s) is shorter than the rank's own work of one step (about 0.05 s alone on a
+    # core, 2 steps a window): every window holds stops. Spells as long as a window's work (0.1 s) let a
+    # window fall between two stops at times, on time, and under CI's load the streak of 3 took 6 windows.
+    slow, windows = named_after(handle, lambda pid: slowed_down(pid, 0.6, 0.04), "throttled host")
     host = rank_record(handle, 1)["host"]
     assert (slow["rank"], slow["host"], slow["cause"]) == (1, host, "host"), slow
     assert len(windows) <= WINDOWS + 1, judged(windows)
