@@ -90,7 +90,7 @@ def source_next_loss(state) -> float:
 RESUME_AT_TWO_RANKS = """
 import sys
 import torch
-from taehv_slurm.runtime.distenv import DistEnv, init_distributed
+from taehv_slurm.runtime.distenv import DistEnv, destroy_distributed, init_distributed
 from tests.test_engine import batch, engine
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 init_distributed(DistEnv(rank, rank, 2, 2, 0, 1, "127.0.0.1", port, "resume", "single"), "gloo",
@@ -110,6 +110,8 @@ for kind in sys.argv[3].split(","):
     resumed.load_full_state(saved)
     train(resumed, 2, 4)
     print(kind, same(straight.full_state(), resumed.full_state()), flush=True)
+torch.distributed.barrier()
+destroy_distributed()  # gloo's threads joined: leaving with the group alive can abort at exit
 """
 
 
