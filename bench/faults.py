@@ -1,7 +1,7 @@
 """Faults inflicted from outside on a run's processes, as a cluster inflicts them (a slow or starved host,
-stopped loader workers), and what it takes to aim and time them: a rank's record (its pid, host, step), its
-child processes, waiting for a condition. One home for the tests and the bench scripts (bench/ never
-imports tests/)."""
+stopped loader workers, a slower device), and what it takes to aim and time them: a rank's record (its pid,
+host, step), its child processes, waiting for a condition. One home for the tests and the bench scripts
+(bench/ never imports tests/)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,18 @@ from pathlib import Path
 from typing import Any
 
 from taehv_slurm.common.runfolder import RunFolder
+
+SLOWER_DEVICE = Path(__file__).resolve().parent / "slower_device"
+
+
+def slower_device_env(rank: int, seconds: float, pythonpath: str | None = None) -> dict[str, str]:
+    """What the environment of the process that starts a job adds so that the job's rank `rank` does
+    `seconds` more device work every step, as on a slower GPU (bench/slower_device/sitecustomize.py);
+    `pythonpath`: the PYTHONPATH it adds to (os.environ's)."""
+    from bench.slower_device.sitecustomize import EXTRA_COMPUTE_ENV
+
+    path = os.pathsep.join(filter(None, [str(SLOWER_DEVICE), pythonpath or os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, EXTRA_COMPUTE_ENV: f"{rank}:{seconds}"}
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.5) -> Any:

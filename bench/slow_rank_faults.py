@@ -14,7 +14,8 @@ rank is slowed for --fault-s seconds:
 - host: its process stopped 0.25 s of every 0.5 s (SIGSTOP/SIGCONT; --host-cycle), a starved or throttled
   host;
 - data: its loader workers (its child processes) stopped 0.45 s of every 0.5 s (--data-cycle);
-- GPU: --gpu-extra-s (0.25) s more device work per step (test-only TAEHV_TEST_EXTRA_COMPUTE; from the start);
+- GPU: --gpu-extra-s (0.25) s more device work per step (bench/slower_device, brought in from outside the
+  product through the job's PYTHONPATH; from the start);
 - none: nothing: no rank may be named.
 
 Per fault: the rank and cause named, after how many log windows (from the fault's start; for GPU from the
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
-from bench.faults import children, rank_record, slowed_down, wait_for  # noqa: E402
+from bench.faults import children, rank_record, slowed_down, slower_device_env, wait_for  # noqa: E402
 from taehv_slurm.common.runfolder import RunFolder  # noqa: E402
 
 FAULTS = ("host", "data", "GPU", "none")
@@ -51,16 +52,14 @@ SYNTHETIC_LOG_EVERY = 10
 
 
 def cluster_file(work: Path, args: argparse.Namespace, fault: str) -> Path:
-    """A local cluster config of --gpus GPUs (--smoke: 2 CPU ranks); the GPU fault's knob in its env."""
+    """A local cluster config of --gpus GPUs (--smoke: 2 CPU ranks)."""
     count = ranks(args)
-    extra = f"{count - 1}:{0.2 if args.smoke else args.gpu_extra_s}"
     path = work / f"faults_{fault}.yaml"
     path.write_text(f"backend: local\nnodes: 1\ngpus_per_node: {0 if args.smoke else count}\n"
                     f"tasks_per_node: {count}\ncpus_per_task: {args.cpus}\n"
                     f"device: {'cpu' if args.smoke else 'cuda'}\ntime_min: 600\nsignal_delay_s: 60\n"
                     f"job_dir: {work / 'runs'}\n"
-                    + ("torch_threads: 1\n" if args.smoke else "")
-                    + (f"env:\n  TAEHV_TEST_EXTRA_COMPUTE: '{extra}'\n" if fault == "GPU" else ""))
+                    + ("torch_threads: 1\n" if args.smoke else ""))
     return path
 
 
@@ -86,8 +85,6 @@ def submit_argv(fault: str, args: argparse.Namespace, work: Path, name: str) -> 
         sets["intervals.log_every"] = every
     if args.cluster:
         sets.update({"job_dir": work / "runs", "cpus_per_task": args.cpus})
-        if fault == "GPU":
-            sets["env.TAEHV_TEST_EXTRA_COMPUTE"] = f"{ranks(args) - 1}:{args.gpu_extra_s}"
         where = ["--cluster", args.cluster, "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus)]
     else:
         where = ["--local", "--cluster", str(cluster_file(work, args, fault))]
@@ -106,6 +103,8 @@ def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     log = (work / f"{name}.log").open("w")
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
+    if fault == "GPU":
+        env.update(slower_device_env(ranks(args) - 1, 0.2 if args.smoke else args.gpu_extra_s, path))
     proc = subprocess.Popen(submit_argv(fault, args, work, name), cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env=env)
     run_dir, victim = work / "runs" / name, ranks(args) - 1

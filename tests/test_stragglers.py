@@ -8,8 +8,8 @@ from outside the job, on rank 1 of a job of 2 ranks, as a slow node would):
   run goes on (report only); `taehv status` notes the share of the step time it cost, and
   `JobHandle.metrics()` has each window's figures;
 - `data`: the rank's loader worker stopped 0.9 s of every second → cause data;
-- `compute`: the rank given 0.2 s more compute per step (the test-only TAEHV_TEST_EXTRA_COMPUTE) → cause
-  compute (the CPU is the device here);
+- `compute`: the rank given 0.2 s more compute per step (bench/slower_device, on the job's PYTHONPATH from
+  outside the product) → cause compute (the CPU is the device here);
 - a process stopped while it waits (as a rank for its loader) is found held off the CPU (`HeldOff`), so
   its stall is not taken for its loader's;
 - `latest_rank`'s verdicts on given figures (windows measured on a GPU among them), the slow link among
@@ -36,10 +36,10 @@ from typing import Any
 
 import pytest
 
-from bench.faults import children, rank_record, slowed_down, wait_for
+from bench.faults import children, rank_record, slowed_down, slower_device_env, wait_for
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.reports import slow_rank_note
-from taehv_slurm.trainer.stragglers import EXTRA_COMPUTE_ENV, WARMUP_STEPS, SlowRanks, latest_rank
+from taehv_slurm.trainer.stragglers import WARMUP_STEPS, SlowRanks, latest_rank
 from taehv_slurm.training import submit_training
 from tests.helpers import cli, events, make_cluster, metrics, quick_train
 
@@ -60,13 +60,16 @@ class Jobs:
 def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
     job_dir = tmp_path_factory.mktemp("stragglers")
     plain = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=20)
-    loaded = make_cluster(job_dir, nodes=1, gpus_per_node=2, time_min=20, env={EXTRA_COMPUTE_ENV: "1:0.2"})
     # one loader worker per rank, one batch ahead: a stopped worker is soon waited for. It runs a twentieth of
     # the time (slow_loader) and a window is 4 steps (LOADER): with a 2-step window and a worker running a
     # tenth of each second, on a loaded 2-core machine a window caught its running tenth or not, by chance.
-    found = Jobs(host=submit_training(plain, quick_train(**STEADY), "host")[0],
-                 data=submit_training(plain, quick_train(**{**STEADY, **LOADER}), "data")[0],
-                 compute=submit_training(loaded, quick_train(**STEADY), "compute")[0])
+    host = submit_training(plain, quick_train(**STEADY), "host")[0]
+    data = submit_training(plain, quick_train(**{**STEADY, **LOADER}), "data")[0]
+    with pytest.MonkeyPatch.context() as environ:  # the job takes the submitting environment with it
+        for key, value in slower_device_env(1, 0.2).items():
+            environ.setenv(key, value)
+        compute = submit_training(plain, quick_train(**STEADY), "compute")[0]
+    found = Jobs(host=host, data=data, compute=compute)
     try:
         yield found
     finally:

@@ -38,7 +38,7 @@ from torch import nn
 from taehv_slurm.common.config import ConfigError, missing_engine_package
 from taehv_slurm.common.plan import COMPILED_ENGINES
 from taehv_slurm.trainer.losses import DistillModule, summarize
-from taehv_slurm.trainer.stragglers import StepClock, extra_compute_for_tests
+from taehv_slurm.trainer.stragglers import StepClock
 from taehv_slurm.trainer.teacher import to_unit
 
 
@@ -163,7 +163,6 @@ class FlatAllReduceEngine(Engine):
                  compile_mode: str = "default") -> None:
         super().__init__(module, device, precision, grad_clip)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.extra_compute = extra_compute_for_tests(dist.get_rank() if dist.is_initialized() else 0, device)
         params = [p for p in module.parameters() if p.requires_grad]
         # One element more than the gradients: each rank's non-finite-loss flag, summed by the same
         # all-reduce, so every rank skips a bad step together without a collective of its own.
@@ -206,8 +205,6 @@ class FlatAllReduceEngine(Engine):
                 loss, metrics = self.forward(frames, latents)
             sums.add(metrics, frames.shape[0], weight)  # copied out before anything replays the graphs again
             (loss * weight).backward()
-        if self.extra_compute is not None:
-            self.extra_compute()
         self.flat_grad[-1] = sums.nonfinite()
         if self.world > 1:
             # Σ over ranks of Σ weight·∇loss = the mean over the effective batch

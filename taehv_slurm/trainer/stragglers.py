@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import statistics
 import threading
 import time
@@ -51,9 +50,6 @@ DEFAULT_MARGIN = {"cuda": 0.1, "cpu": 0.5}
 # them uneven across ranks (2 H200s through Slurm, 2-step windows: rank 0 named "GPU"-slow at steps 3-9 of
 # most starts, no longer slow by steps 7-19).
 WARMUP_STEPS = 10
-# Test-only: "RANK:SECONDS" gives rank RANK that much more compute per step (tests/test_stragglers.py and
-# the GPU check of a slow GPU being named; never set it in a real run).
-EXTRA_COMPUTE_ENV = "TAEHV_TEST_EXTRA_COMPUTE"
 
 
 class HeldOff:
@@ -191,33 +187,6 @@ def device_anchor(device: torch.device) -> tuple[torch.cuda.Event, float] | None
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event, time.perf_counter()
-
-
-def extra_compute_for_tests(rank: int, device: torch.device) -> Callable[[], None] | None:
-    """Test-only: where EXTRA_COMPUTE_ENV names this rank, a function that adds its seconds of compute to
-    a step without the host waiting: on a CPU matrix products until this thread used that much CPU time
-    (a stopped or starved process still owes it), on a GPU a device-side spin of that length. Else None."""
-    rank_s, _, seconds_s = os.environ.get(EXTRA_COMPUTE_ENV, "").partition(":")
-    if not seconds_s or int(rank_s) != rank:
-        return None
-    seconds = float(seconds_s)
-    log.warning("%s: rank %d adds %.3f s of compute to every step (test-only)", EXTRA_COMPUTE_ENV, rank,
-                seconds)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(10**7)  # calibrates the spin: cycles per second of this GPU (once, at start)
-        end.record()
-        end.synchronize()
-        cycles = int(seconds * 10**7 / (start.elapsed_time(end) / 1000))
-        return lambda: torch.cuda._sleep(cycles)
-    a = torch.ones(64, 64)
-
-    def spin() -> None:
-        until = time.thread_time() + seconds
-        while time.thread_time() < until:
-            a @ a
-    return spin
 
 
 @dataclass(frozen=True)
