@@ -68,6 +68,14 @@ def check_run_name(name: str) -> None:
                           "(not starting with . or -), e.g. --name tiny-lr2e-4")
 
 
+def check_target(cluster: ClusterConfig, run_names: Sequence[str | None]) -> None:
+    """Where runs of these names would go, refused in one line before anything is written: each name one
+    folder name (None: a name made at submit), job_dir one this user can write in."""
+    for name in filter(None, run_names):
+        check_run_name(name)
+    check_job_dir(cluster.job_dir)
+
+
 def default_run_name(prefix: str) -> str:
     return f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(2).hex()}"
 
@@ -112,9 +120,7 @@ def submit_many(tasks: Sequence[Callable[..., Any]], cluster: ClusterConfig,
     cluster = dataclasses.replace(cluster, requeue=followup.resolve_mode(cluster, backend.asks_a_scheduler))
     backend = backend.for_jobs_of(cluster)
     given = [run_names[0]] if run_names and len(tasks) == 1 else []  # a sweep's runs are named by its values
-    for name in given + ([group_name] if group_name else []):
-        check_run_name(name)
-    check_job_dir(cluster.job_dir)
+    check_target(cluster, [*given, group_name])
     base = Path(cluster.job_dir)
     if len(tasks) == 1:
         planned = [base / (run_names[0] if run_names else default_run_name(cluster.name))]

@@ -31,7 +31,7 @@ from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.context import grace_seconds
 from taehv_slurm.runtime.tasks import TaskRef
 from taehv_slurm.slurm_checks import not_checked_rows
-from taehv_slurm.submission import SubmissionError, check_job_dir, check_run_name, submit, submit_many
+from taehv_slurm.submission import SubmissionError, check_target, submit, submit_many
 from taehv_slurm.submit_checks import Row, require_passing, submit_checks
 from taehv_slurm.sweep import point_name, sweep_grid, sweep_trains
 
@@ -77,9 +77,7 @@ def training_checks(cluster: ClusterConfig, trains: Sequence[TrainConfig], plans
     ConfigError for a bad run name or job_dir, or a missing engine package; where the backend cannot be used
     from here (no Slurm) see `reachable_rows`."""
     unreachable = reachable_rows(cluster, preview)
-    if run_name is not None:
-        check_run_name(run_name)
-    check_job_dir(cluster.job_dir)
+    check_target(cluster, [run_name])
     # the jobs' python is ours
     if cluster.python is None and (missing := missing_engine_package(plans[0].engine)
                                    or missing_tracker_package(trains[0].tracking)):

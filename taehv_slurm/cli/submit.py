@@ -44,7 +44,7 @@ from taehv_slurm.registry import Registry, UnknownJobError
 from taehv_slurm.runtime.smoke import SmokeTask
 from taehv_slurm.slurm import is_success
 from taehv_slurm.slurm_checks import NOT_CHECKED
-from taehv_slurm.submission import check_job_dir, check_run_name, submit
+from taehv_slurm.submission import check_target, submit
 from taehv_slurm.submit_checks import Row, machine_rows, require_passing, table
 from taehv_slurm.sweep import point_name, sweep_grid, sweep_trains
 from taehv_slurm.training import RunCompleteError, reachable_rows, submit_training, training_checks
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         checks = training_checks(cluster, trains, plans, run_name, sweep, data=False if args.skip_data_checks
                                  else None, preview=args.dry_run)
     else:
-        check_run_name(run_name)
+        check_target(cluster, [run_name])
         checks = machine_rows(cluster) + (reachable_rows(cluster, preview=True) if args.dry_run else [])
     if args.dry_run:
         preflight = (f"{command('preflight')} --cluster {args.cluster or DEFAULT_CLUSTER} "
@@ -154,7 +154,6 @@ def dry_run(cluster: ClusterConfig, trains: list[TrainConfig], sweep: list[dict]
     Exit 2 when a check FAILs (the submit would refuse). Where Slurm cannot be reached, the rows that need it
     say `not checked here (no Slurm)` and the line after the table names `preflight`, the command that
     checks them on a login node."""
-    check_job_dir(cluster.job_dir)
     run_dir = Path(cluster.job_dir) / run_name
     where = f"partition {cluster.partition}" if cluster.partition else "default partition"
     spares = f" (+ {cluster.spare_nodes} spare node(s))" if cluster.spare_nodes else ""
