@@ -1,17 +1,10 @@
 """Submit tasks: `submit()` / `submit_many()` → `JobHandle`s.
 
-Every run gets a private folder under the cluster's `job_dir`:
-
-    <job_dir>/registry.jsonl      one line per submitted run (taehv_slurm.registry)
-    <job_dir>/<run>/submitit/     submitit's pickles, sbatch script, one log per rank (<job>_<rank>_log.out)
-    <job_dir>/<run>/checkpoints/  atomic checkpoints (`latest`)
-    <job_dir>/<run>/metrics.jsonl per-step metrics written by rank 0
-    <job_dir>/<run>/events.jsonl  starts, requeues, failures, stops (taehv_slurm.runtime.context)
-    <job_dir>/<run>/tb/           TensorBoard event files
-
-A sweep is one job array: `<job_dir>/<group>/submitit/` for the array and `<job_dir>/<group>/<point>/`
-per run. Nothing is written before every check passed (picklable, takes the run context, no live job
-for the run, safe folders), and secret env values reach the job only through sbatch's environment.
+Every run gets a private folder under the cluster's `job_dir` (what it holds: taehv_slurm.common.runfolder),
+and a line in the job_dir's registry (taehv_slurm.registry). A sweep is one job array:
+`<job_dir>/<group>/submitit/` for the array and `<job_dir>/<group>/<point>/` per run. Nothing is written
+before every check passed (picklable, takes the run context, no live job for the run, safe folders), and
+secret env values reach the job only through sbatch's environment.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from typing import Any
 
 from taehv_slurm.common.changes import flatten
 from taehv_slurm.common.config import TrackingConfig
-from taehv_slurm.common.runfolder import RunFolder, write_text_atomic
+from taehv_slurm.common.runfolder import METRICS, RunFolder, write_text_atomic
 
 log = logging.getLogger("taehv")
 
@@ -123,8 +123,8 @@ class Trackers:
         try:
             call()
         except Exception as err:  # noqa: BLE001 - any failure of a third-party logger
-            log.warning("%s tracking stopped for this attempt: %s: %s (metrics.jsonl and TensorBoard go on)",
-                        name, type(err).__name__, err)
+            log.warning("%s tracking stopped for this attempt: %s: %s (%s and TensorBoard go on)",
+                        name, type(err).__name__, err, METRICS)
             setattr(self, name, None)
 
 
