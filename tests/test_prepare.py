@@ -375,7 +375,7 @@ def stopped_after_the_first_shard(argv: list[str], tmp_path: Path, stop: signal.
                             env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        wait_for(lambda: [e for p in tmp_path.glob("prepare-*/events.jsonl") for e in shard_events(p.parent)],
+        wait_for(lambda: [e for p in tmp_path.glob("prepare-*/") for e in shard_events(p)],
                  300, "the first shard", poll_s=0.05)
         proc.send_signal(stop)
         output, _ = proc.communicate(timeout=120)
