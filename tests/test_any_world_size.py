@@ -34,15 +34,14 @@ from taehv_slurm.common.plan import plan_for
 from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.training import submit_training
-from tests.helpers import make_cluster, quick_train, read_strictly
+from tests.helpers import STEP_BY_STEP, make_cluster, quick_train, read_strictly
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
 STEPS = 5
 WORLD_SIZES = (1, 2, 3, 5)
 LOSS_REL, GRAD_NORM_REL, WEIGHTS_REL_L2, WEIGHTS_ATOL = 1e-5, 2e-5, 2e-3, 2e-4
-EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000,
-         "intervals.record_samples": True, "batch.effective": 8, "batch.per_gpu": 2}
+EXACT = {**STEP_BY_STEP, "intervals.record_samples": True, "batch.effective": 8}
 # Each rank's micro-batches at 3 ranks (see the module docstring): what the runs must exercise.
 SPLIT_AT_3 = {"allreduce": [[2, 1], [2, 1], [2]], "zero2": [[2, 1], [2, 1], [2, 0]]}
 

@@ -29,6 +29,7 @@ from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
 from tests.helpers import (
     REPO,
+    STEP_BY_STEP,
     assert_identical,
     cli,
     events,
@@ -42,9 +43,6 @@ from tests.helpers import (
 from tests.tasks import CountingTask
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
-
-EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000,
-         "batch.per_gpu": 2}
 
 
 def refusing_requeue_scontrol(folder: Path) -> Path:
@@ -69,7 +67,7 @@ def wait_chain_done(handle: JobHandle, timeout_s: float) -> str:
 def test_a_refused_requeue_goes_on_as_follow_up_jobs_bit_identical(tmp_path: Path) -> None:
     cluster = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=30,
                            env={"TAEHV_SCONTROL": str(refusing_requeue_scontrol(tmp_path))})
-    train = quick_train(steps=30, **EXACT)
+    train = quick_train(steps=30, **STEP_BY_STEP)
     reference = submit_training(make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=30), train,
                                 "reference")[0]
     run = submit_training(cluster, train, "chained")[0]

@@ -31,6 +31,7 @@ from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
 from tests.helpers import (
     LOCAL_TASK_ENV,
+    STEP_BY_STEP,
     assert_identical,
     events,
     final_state,
@@ -45,9 +46,6 @@ from tests.tasks import CountingTask, CrashAfterStart, SlowToLoad, StopAtFirstBo
 from tests.wandb_offline import offline_runs
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
-
-EXACT = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000,
-         "batch.per_gpu": 2}
 
 
 def sacct_states(handle: JobHandle) -> list[str]:
@@ -64,11 +62,11 @@ def test_preempted_three_times_finishes_bit_identical(tmp_path: Path) -> None:
     cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=1, time_min=30)  # a rank on each of 2 nodes
     # Without the teacher, at 32×32 (quick_train): what is resumed here is the student, its optimizer and the
     # data order; the time-limit test below resumes the whole distillation, teacher included.
-    train = quick_train(steps=45, **EXACT)
+    train = quick_train(steps=45, **STEP_BY_STEP)
     reference = submit_training(cluster, train, "reference")[0]
     # the preempted run also logs to W&B (offline) and MLflow (a file store): one tracker run throughout
-    tracked = quick_train(steps=45, **EXACT, **{"tracking.wandb": True, "tracking.wandb_mode": "offline",
-                                                 "tracking.mlflow": True})
+    trackers = {"tracking.wandb": True, "tracking.wandb_mode": "offline", "tracking.mlflow": True}
+    tracked = quick_train(steps=45, **STEP_BY_STEP, **trackers)
     preempted = submit_training(cluster, tracked, "preempted")[0]
     rng = random.Random(7)
     for n, at in enumerate(sorted(rng.sample(range(4, 40), 3)), start=1):
@@ -117,7 +115,8 @@ def test_a_preemption_that_also_signals_the_loader_workers_is_saved_not_a_failur
     each rank in "DataLoader worker exited unexpectedly", a failure, before it could save. Here each rank's
     workers get SIGTERM with the requeue: the ranks save, the run resumes, every step is trained once."""
     cluster = make_cluster(tmp_path, nodes=2, gpus_per_node=1, time_min=30)
-    handle = submit_training(cluster, quick_train(steps=24, **EXACT, **{"data.num_workers": 2}), "workers")[0]
+    train = quick_train(steps=24, **STEP_BY_STEP, **{"data.num_workers": 2})
+    handle = submit_training(cluster, train, "workers")[0]
     wait_for(lambda: last_step(handle.run_dir) >= 4, 600, "step 4")
     workers = [pid for rank in (0, 1) for pid in children(rank_record(handle, rank)["pid"])]
     assert len(workers) >= 4, workers  # 2 loader workers a rank
@@ -176,7 +175,7 @@ def test_time_limit_requeues_itself_and_finishes_bit_identical(tmp_path: Path) -
     short = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=2, signal_delay_s=45)
     relaxed = make_cluster(tmp_path, nodes=1, gpus_per_node=1, time_min=30)
     steps = 30
-    train = tiny_train(steps=steps, **EXACT)
+    train = tiny_train(steps=steps, **STEP_BY_STEP)
     reference = submit_training(relaxed, train, "reference")[0]
     timed = submit_training(short, train, "timed")[0]
     # Beside it, a site whose time-limit warning never arrives (the task drops USR2): at the limit only
