@@ -4,7 +4,7 @@ Per attempt of a job — its first run, each requeue, and each restart of its ra
 holds (taehv_slurm.runtime.restart) — from the run's own files and Slurm's accounting:
 
 - allocated node-seconds: sacct's Elapsed × NNodes of that allocation (where the site keeps accounting;
-  else the attempt's span in events.jsonl × nodes), shared among the attempts inside it by their spans and
+  else the attempt's span in the run's events × nodes), shared among the attempts inside it by their spans and
   the nodes held in each (a restart gives the nodes it left out back: `nodes_held` in its event);
 - time in the queue: from the allocation's submission (or requeue) to its start, Slurm's own Submit and
   Start (where there is accounting; else from the requeue event to the next attempt's start);
@@ -14,7 +14,7 @@ holds (taehv_slurm.runtime.restart) — from the run's own files and Slurm's acc
   step (`first_step`), and the part of it before the training loop began (`start_up_s`: imports,
   rendezvous, building the model, restore); the rest is the first step itself, its compilation included;
 - steps kept: from the step it resumed at to the step the next attempt resumed from (the last one: the
-  run's final checkpoint), and productive seconds = steps kept × its seconds per step (metrics.jsonl);
+  run's final checkpoint), and productive seconds = steps kept × its seconds per step (the run's metrics);
 - work lost: steps trained past the step that was kept (what an interruption threw away), in steps and
   seconds;
 - time in saves (`checkpoint` events);

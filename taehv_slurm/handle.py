@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # only for annotations: importing pandas/matplotlib costs sec
     import submitit
     from matplotlib.figure import Figure
 
-# What a status reads of a run's metrics.jsonl, from its end: the last lines of each attempt (its pace, for
+# What a status reads of a run's metrics, from the file's end: the last lines of each attempt (its pace, for
 # ETTR) and of the run (the slow-rank note), at most this many each — the same for a run of any length.
 STATUS_LOG_LINES = 1000
 
@@ -202,7 +202,7 @@ class JobHandle:
 
     # ------------------------------------------------------------------------------- metrics
     def events(self, run_wide: bool = False) -> list[dict[str, Any]]:
-        """This job's events from the run's events.jsonl (all jobs of the run folder with run_wide).
+        """This job's events from the run's events (all jobs of the run folder with run_wide).
 
         A run folder can hold several jobs (a run resubmitted under its name resumes it); a job's events
         are those written between its submission and the next submission to the same folder.
@@ -307,7 +307,7 @@ class JobHandle:
 
     def last_step(self) -> int | None:
         """The last step rank 0 logged in this job (a run resubmitted under its name holds later jobs'
-        rows too: an older job's step is its own), read from the end of metrics.jsonl (for an older job,
+        rows too: an older job's step is its own), read from the end of the run's metrics (for an older job,
         from where its successor began)."""
         end = self._time_window()[1] if "submitted_at" in self.record else math.inf
         for row in reversed(RunFolder(self.run_dir).metrics().window(until=end, limit=8, ordered=True)):
@@ -397,7 +397,7 @@ class JobHandle:
         """One status row: id, run, state, step/total, requeues, swept values, and why it stopped or
         failed; the note also names a rank named slow that cost the run ≥ SLOW_RANK_NOTE_SHARE of its step
         time in its last STATUS_LOG_LINES log lines (taehv_slurm.reports.slow_rank_note). Its files are
-        read from their ends (events.jsonl from the job's start, metrics.jsonl's last lines of each
+        read from their ends (the events from the job's start, the metrics' last lines of each
         attempt: ETTR's pace): the same cost for a run of a hundred steps and one of a million."""
         # goodput first: its sacct answer also gives the state of a job squeue no longer lists
         totals = run_totals(self._goodput_rows(recent=True)) if "train" in self.record else {}

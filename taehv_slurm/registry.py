@@ -1,4 +1,4 @@
-"""The job registry: `<job_dir>/registry.jsonl`, one line per submitted run.
+"""The job registry: `JobDir.registry`, one line per submitted run.
 
 Each line holds the job id, the run folder and submitit folder (relative to job_dir, so a job_dir can
 be read from any working directory), the backend, the shape, the secret-free cluster config and what
@@ -228,7 +228,7 @@ def _parse(raw: bytes) -> dict[str, Any] | None:
 
 
 def read_registry(job_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every submission recorded in `<job_dir>/registry.jsonl`, oldest first."""
+    """Every submission recorded in the job_dir's registry, oldest first."""
     return Registry.load(job_dir).all()
 
 

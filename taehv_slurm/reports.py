@@ -34,7 +34,7 @@ SLOW_RANK_NOTE_SHARE = 0.05
 
 
 def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, Any]] = ()) -> pd.DataFrame:
-    """metrics.jsonl of a run folder (+ requeue rows) as a DataFrame; see `JobHandle.metrics`. The lines
+    """The metrics of a run folder (+ requeue rows) as a DataFrame; see `JobHandle.metrics`. The lines
     are parsed by orjson (3× the standard library's pace: 300,000 lines in well under a second) into
     columns, with a warning for damaged ones as `EventLog.read` gives."""
     import pandas as pd
@@ -61,7 +61,7 @@ def metrics_frame(run_dir: str | os.PathLike, requeues: Sequence[Mapping[str, An
 
 
 def _metrics_rows(log: EventLog) -> list[dict[str, Any]]:
-    """Every whole line of metrics.jsonl, each with `event` 'val' (it has a val_* value) or 'train'."""
+    """Every whole line of the run's metrics, each with `event` 'val' (it has a val_* value) or 'train'."""
     import orjson
 
     with log._open() as f:
@@ -85,7 +85,7 @@ def _metrics_rows(log: EventLog) -> list[dict[str, Any]]:
 
 
 def slow_rank_note(rows: Iterable[Mapping[str, Any]], share: float = SLOW_RANK_NOTE_SHARE) -> str | None:
-    """The status note on the rank (or the link) named slow that cost the run most, from metrics.jsonl's
+    """The status note on the rank (or the link) named slow that cost the run most, from the run's metrics'
     rows: the others' wait for it per step, summed over the late windows of each streak that got it named
     (a window or two late by chance count for nobody), where that is at least `share` of the summed step
     times of all windows (step 1's, with the start, left out); else None, as for runs without the timing

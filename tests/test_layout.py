@@ -248,25 +248,14 @@ def test_no_two_modules_share_a_name() -> None:
     assert sorted({n for n in names if names.count(n) > 1 or n in packages}) == []
 
 
-def code_strings(path: Path) -> set[str]:
-    """The string constants of a module's code: its docstrings left out (they may name a file)."""
-    tree = ast.parse(path.read_text())
-    docstrings = {id(body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and (body := node.body) and isinstance(body[0], ast.Expr)
-                  and isinstance(body[0].value, ast.Constant)}
-    return {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
-            and isinstance(node.value, str) and id(node) not in docstrings}
-
-
 def test_only_the_run_folder_module_spells_the_run_folders_file_names() -> None:
-    """The run folder's files are named in taehv_slurm/common/runfolder.py alone; every other module asks
-    RunFolder or JobDir for their paths."""
+    """The run folder's files are named in taehv_slurm/common/runfolder.py alone, in code, comments and
+    docstrings: every other module asks RunFolder or JobDir for their paths and speaks of what they hold."""
     from taehv_slurm.common import runfolder
 
     names = {runfolder.EVENTS, runfolder.METRICS, runfolder.ATTEMPTS, runfolder.TRACKERS, runfolder.LOCK,
              runfolder.REGISTRY}
     home = PACKAGE / "common/runfolder.py"
-    spelled = {f"{p.relative_to(REPO)}: {s!r}" for p in PACKAGE.rglob("*.py") if p != home
-               for s in code_strings(p) if any(name in s for name in names)}
+    spelled = [f"{p.relative_to(REPO)}:{n}: {line.strip()}" for p in PACKAGE.rglob("*.py") if p != home
+               for n, line in enumerate(p.read_text().splitlines(), 1) if any(name in line for name in names)]
     assert not spelled, sorted(spelled)

@@ -2,7 +2,7 @@
 
 One run: rank 0's log as it grows (each traceback as one line naming the log that holds it) and, in a
 terminal, one bar line under it — step/total, clips/s, ETA, loss, PSNR, requeues — read from the run's
-metrics.jsonl (a rank's stdout is never a terminal under a scheduler). Several runs (a sweep): a line
+metrics (a rank's stdout is never a terminal under a scheduler). Several runs (a sweep): a line
 per run whenever its state or step moves. Then the end: the state, and for a finished run a summary
 with the final PSNR, the wall time, the requeues, where the checkpoints, metrics and TensorBoard files
 are, and the export command; for a failure the error once and where its traceback is.
@@ -35,7 +35,7 @@ STOP_WORDS = {signal.SIGINT: ("interrupted", "Ctrl-C again"),
 
 
 class MetricsTail:
-    """The newest train and validation rows of a run's metrics.jsonl, read incrementally (the file only
+    """The newest train and validation rows of a run's metrics, read incrementally (the file only
     grows, except when a resumed run drops the lines past its checkpoint: then it is read again)."""
 
     def __init__(self, run_dir: Path) -> None:

@@ -171,7 +171,7 @@ class DivergenceConfig:
 @dataclass
 class TrackingConfig:
     # W&B / MLflow beside TensorBoard (rank 0): one tracker run per training run across every requeue and
-    # resubmit, its id kept in <run>/trackers.json (taehv_slurm.trainer.trackers). The `trackers` extra.
+    # resubmit, its id kept in the run folder (taehv_slurm.trainer.trackers). The `trackers` extra.
     wandb: bool = False
     wandb_project: str = "taehv"
     wandb_entity: str | None = None

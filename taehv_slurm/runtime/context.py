@@ -3,7 +3,7 @@
 A task receives its `RunContext` and calls `ctx.step_boundary(step, save)` at every step. All ranks
 agree on the stop flag with one all-reduce; when a signal reached any rank, every rank calls `save()`
 at that step, then rank 0 asks the backend what happens to the job (taehv_slurm.runtime.rank_backend) and
-records it in `events.jsonl` as it happened:
+records it in the run's events (`RunFolder.events`) as it happened:
   - Slurm is requeueing it already (preemption, `scontrol requeue`: its Restarts went up) → `requeue`;
   - the job was cancelled (`scancel`, `taehv cancel`) → `cancelled`;
   - a SIGTERM that is no job event where the batch script restarts the ranks (srun ending the step after a

@@ -1,4 +1,5 @@
-"""When a job must not start, or not be requeued again: decided from the run's own events (events.jsonl).
+"""When a job must not start, or not be requeued again: decided from the run's own events
+(`RunFolder.events`).
 
 - the requeue limit: at most `max_requeues` starts of one job;
 - no progress: more than `max_requeues_without_progress` starts in a row that began at the same step and

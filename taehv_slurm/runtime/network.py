@@ -10,7 +10,7 @@ INIT and NET lines to a file of its own (`nccl_debug_file`), and `transport` rea
     NET/Socket : Using [0]eth0:10.0.0.5<0>                                  →  Socket, the interface
 
 gloo (CPU ranks) talks TCP over the interface the host name resolves to (or GLOO_SOCKET_IFNAME). The run
-records it with the attempt (attempts.jsonl) and logs it at the start; `warning` names the settings to
+records it with the attempt (`RunFolder.attempts`) and logs it at the start; `warning` names the settings to
 check when a node has InfiniBand devices and NCCL chose sockets.
 """
 

@@ -1,8 +1,9 @@
 """What ran in each attempt of a run, recorded by rank 0 as the attempt starts:
 
-    <run_dir>/attempts.jsonl          one line per attempt: job id, restart, step, hosts, the code (git
-                                      commit, dirty or not), versions, and the resolved training config
-    <run_dir>/code/<job>_<restart>.diff   the uncommitted changes of a dirty tree (`git diff HEAD`)
+    RunFolder.attempts            one line per attempt: job id, restart, step, hosts, the code (git
+                                  commit, dirty or not), versions, and the resolved training config
+    RunFolder.code                `<job>_<restart>.diff`: the uncommitted changes of a dirty tree
+                                  (`git diff HEAD`)
 
 The code is the git work tree the taehv_slurm package was imported from (a checkout installed with
 `pip install -e .`), or the copy of it a Slurm job runs (taehv_slurm.snapshot: its SNAPSHOT_FILE

@@ -58,7 +58,7 @@ class ReportedError(RuntimeError):
 
 
 class TaskFailedError(ReportedError):
-    """The task raised; the failure is recorded in events.jsonl and its traceback is in the rank's log."""
+    """The task raised; the failure is recorded in the run's events and its traceback is in the rank's log."""
 
 
 class StopRequested(ReportedError):
@@ -96,7 +96,7 @@ def check_takes_context(task: Callable[..., Any]) -> None:
 class RequeueableTask(submitit.helpers.Checkpointable):
     """Wrap a task `task(ctx: RunContext)` so it saves and requeues on signals (see the module docstring).
 
-    run_dir holds `events.jsonl`, the lock, the ranks' records and `checkpoints/` (the task saves there;
+    run_dir holds the run's events, the lock, the ranks' records and `checkpoints/` (the task saves there;
     the guards read it). backend: where the job runs (taehv_slurm.backends; `submit()` passes it).
     exclude_failed_nodes: a node whose rank was killed, hung, or hit a hardware error is left out of the
     job's next attempts, where the backend can (Slurm's ExcNodeList). watchdog: how every rank's watchdog

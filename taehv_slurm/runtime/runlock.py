@@ -3,9 +3,9 @@
 Two jobs training one folder would both resume from the same step and write the same checkpoints and
 metrics. `submit()` refuses a run whose job is still pending or running; this lock is the second line,
 for jobs started any other way (another job_dir's registry, `make_executor` by hand): rank 0 of a job
-takes `<run_dir>/run.lock` (created exclusively) before training, and a job finds the lock free, held
-by itself (a requeued run of the same job), or held by a job that has ended (then it takes it over).
-A lock held by a live job — or by a job whose state cannot be learned — is refused in one line.
+takes the run's lock, `RunFolder.lock` (created exclusively) before training, and a job finds the lock
+free, held by itself (a requeued run of the same job), or held by a job that has ended (then it takes it
+over). A lock held by a live job — or by a job whose state cannot be learned — is refused in one line.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Rank 0's metrics and the numbers behind them.
 
 `LogWindow` sums a window of steps on the device (no host sync per step) and turns it into one log
-line's numbers; `MetricsWriter` writes them to metrics.jsonl (pandas reads it), TensorBoard, the
-trackers and the progress display; `sample_grid` makes the validation's sample image.
+line's numbers; `MetricsWriter` writes them to the run's metrics file (`RunFolder.metrics`; pandas reads
+it), TensorBoard, the trackers and the progress display; `sample_grid` makes the validation's sample image.
 """
 
 from __future__ import annotations

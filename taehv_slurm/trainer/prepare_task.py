@@ -313,7 +313,7 @@ class _Worker:
                               self.task.finish_budget_s.get(stop.reason or "preempted", 10.0))
 
     def _progress(self, done: int, manifest: Manifest, processed: int, began: float) -> None:
-        """Rank 0's progress line in metrics.jsonl, so `taehv status` and `JobHandle.wait` show shards
+        """Rank 0's progress line in the run's metrics, so `taehv status` and `JobHandle.wait` show shards
         done."""
         elapsed = time.perf_counter() - began
         row = {"step": done, "time": time.time(), "shards": manifest.num_shards,

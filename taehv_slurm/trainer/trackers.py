@@ -1,16 +1,16 @@
 """Experiment trackers beside TensorBoard: Weights & Biases and MLflow, written by rank 0.
 
 One tracker run per training run, across every requeue and resubmit: the first attempt creates it and
-writes its id to `<run>/trackers.json`; every later attempt (a requeue, a resubmit under the same
-`--name`) reopens that run and goes on logging at the step it resumed from. A run folder is the identity
-of a training run here, so it is also the tracker run's. Turned on in the train YAML (`tracking:`), the
-packages from the `trackers` extra.
+writes its id to the run folder (`RunFolder.trackers`); every later attempt (a requeue, a resubmit under
+the same `--name`) reopens that run and goes on logging at the step it resumed from. A run folder is the
+identity of a training run here, so it is also the tracker run's. Turned on in the train YAML
+(`tracking:`), the packages from the `trackers` extra.
 
 W&B resumes with `id=<kept id>, resume="allow"`: online the steps continue in one run; offline each
 attempt writes an `offline-run-*-<id>` folder under `<run>/wandb/`. W&B logs through a service process of
 its own, which Slurm's SIGTERM at a preemption ends with the job's other processes, and the lines it had
 not sent are lost (on the testbed a preempted attempt's offline file stays empty). So every attempt
-first logs again what metrics.jsonl kept from before it (`Trackers.replay`): the run's W&B history is
+first logs again what the run's metrics kept from before it (`Trackers.replay`): the run's W&B history is
 whole once an attempt finishes. A tracker that fails, as it starts or later, is dropped for the attempt
 with one warning; it never stops training or its save.
 
@@ -82,7 +82,7 @@ class Trackers:
         return self.wandb is not None
 
     def replay(self, lines: list[tuple[int, Mapping[str, float]]]) -> None:
-        """The run's metrics lines from before this attempt (metrics.jsonl keeps each once), again to W&B:
+        """The run's metrics lines from before this attempt (the run's metrics keep each once), again to W&B:
         its service process dies with a preempted attempt, and the lines it had not sent die with it;
         no later attempt can tell which. Online, lines below the resumed run's step (what the server
         has) are skipped; offline, each attempt's folder holds the whole history from step 1, so the
@@ -119,7 +119,7 @@ class Trackers:
 
     def _guarded(self, name: str, call: Callable[[], Any]) -> None:
         """A tracker that fails (its server gone, a full disk) never stops training or its save: it is
-        dropped for the rest of this attempt, with one warning; metrics.jsonl and TensorBoard go on."""
+        dropped for the rest of this attempt, with one warning; the run's metrics and TensorBoard go on."""
         try:
             call()
         except Exception as err:  # noqa: BLE001 - any failure of a third-party logger

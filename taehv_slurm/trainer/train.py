@@ -153,7 +153,7 @@ class Trainer:
 
     def resume(self) -> int:
         """Rank 0 chooses the checkpoint to resume — the newest that loads; damaged ones are moved aside,
-        each named in the log and in events.jsonl — and every rank loads that one (so no rank ever reads
+        each named in the log and in the run's events — and every rank loads that one (so no rank ever reads
         a folder another rank is moving)."""
         loaded = self.checkpoints.load_latest() if self.main else None
         for line in self.checkpoints.moved_aside:
