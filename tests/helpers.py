@@ -75,7 +75,7 @@ QUICK = {"teacher.kind": "none", "data.height": 32, "data.width": 32}
 # Every step logged, no validation or periodic save between: the tests that compare runs step by step
 # (bit-identical after a requeue, a follow-up job, another world size).
 STEP_BY_STEP = {"intervals.log_every": 1, "intervals.val_every": 10_000, "intervals.ckpt_every": 10_000,
-         "batch.per_gpu": 2}
+                "batch.per_gpu": 2}
 
 
 def quick_train(**overrides: Any) -> TrainConfig:

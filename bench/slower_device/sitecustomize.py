@@ -20,11 +20,12 @@ EXTRA_COMPUTE_ENV = "TAEHV_EXTRA_COMPUTE"
 TARGET = "taehv_slurm.trainer.stragglers"
 
 
-def spin_for(seconds: float, device: Any) -> Any:
-    """A function that adds `seconds` of work on `device` without the host waiting for it."""
+def spin_for(seconds: float, cuda: bool) -> Any:
+    """A function that adds `seconds` of work on the GPU (cuda) or this thread's CPU, without the host
+    waiting for the GPU's."""
     import torch
 
-    if device.type == "cuda":
+    if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         torch.cuda._sleep(10**7)  # calibrates the spin: cycles per second of this GPU
@@ -45,19 +46,17 @@ def slow_down(step_clock: type, rank: int, seconds: float) -> None:
     """StepClock.compute_begins, on rank `rank`, followed by `seconds` of device work."""
     import torch.distributed as dist
 
-    begins, spins = step_clock.compute_begins, {}
+    begins, spin = step_clock.compute_begins, []  # the spin, made at the rank's first step
 
-    def compute_begins(self) -> None:
+    def compute_begins(self: Any) -> None:
         begins(self)
-        if (dist.get_rank() if dist.is_initialized() else 0) == rank:
-            device = "cuda" if self.cuda else "cpu"
-            if device not in spins:
-                import torch
-
-                print(f"{EXTRA_COMPUTE_ENV}: rank {rank} does {seconds:.3f} s more work every step",
-                      file=sys.stderr, flush=True)
-                spins[device] = spin_for(seconds, torch.device(device))
-            spins[device]()
+        if (dist.get_rank() if dist.is_initialized() else 0) != rank:
+            return
+        if not spin:
+            print(f"{EXTRA_COMPUTE_ENV}: rank {rank} does {seconds:.3f} s more work every step",
+                  file=sys.stderr, flush=True)
+            spin.append(spin_for(seconds, self.cuda))
+        spin[0]()
     step_clock.compute_begins = compute_begins
 
 
