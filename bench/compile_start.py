@@ -6,10 +6,15 @@ processes on one cache folder: the first fills it (cold), the next ones start fr
     python bench/compile_start.py --ab          # ... and the code before (below), one cache folder each
     python bench/compile_start.py --height 32 --width 32 --mode default --ab   # CPU (inductor's C++)
 
-Each process reports its imports, its model and engine build, its first step (Dynamo, the caches' lookups or
+Each process starts as a rank does: it keeps Python's bytecode in the cache folder where the environment
+turns bytecode off (`runtime/bytecode.py`), and a step is --grad-accum micro-batches (the plan's 32 on one
+GPU). It reports its imports, its model and engine build, its first step (Dynamo, the caches' lookups or
 the compile, the first run), its second step, torch's cache counters (`aot_autograd`: hit, miss or
-bypass) and torch's timers of the compile's phases (`compile_phases_s`, those of 0.1 s or more). The
-user's figure, job start to first step through `jobs.submit`, is bench/e2e_throughput.py's `first_step_s`.
+bypass), torch's timers of the compile's phases (`compile_phases_s`, those of 0.1 s or more) and the first
+step's timeline (`first_step_parts_s`): the first micro-batch's forward (Dynamo, the compile or the caches'
+loads, the first run) and backward, the second micro-batch (where CUDA graphs are recorded), the other
+micro-batches with the gradient clip and optimizer update. The user's figure, job start to first step through
+`jobs.submit`, is bench/e2e_throughput.py's `first_step_s`.
 
 "before" (--ab) undoes two changes of 2026-11-27: the model's autocast blocks marked cacheable
 (`AUTOCAST_IN_GRAPH`; torch >= 2.12 bypassed its AOT autograd cache without it) and the all-reduce
@@ -32,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def one_start(args: argparse.Namespace) -> dict:
     """This process: build, compile and run two steps as a rank does; times from the process's start."""
+    from taehv_slurm.runtime.bytecode import keep_bytecode
+
+    keep_bytecode(args.cache)  # before torch, as a rank (runtime/entry.py)
     import torch
     from torch._dynamo.utils import compile_times, counters
 
@@ -58,7 +66,7 @@ def one_start(args: argparse.Namespace) -> dict:
             torch.backends.cudnn.benchmark = False
     engine = make_engine("allreduce", DistillModule(student), device, precision="bf16" if cuda else "fp32",
                          grad_clip=1.0, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01, compile=True,
-                         compile_mode=args.mode, per_gpu_batch=args.batch, grad_accum=1)
+                         compile_mode=args.mode, per_gpu_batch=args.batch, grad_accum=args.grad_accum)
     if args.before:
         offset = 0
         for p in (p for p in student.parameters() if p.requires_grad):
@@ -67,14 +75,28 @@ def one_start(args: argparse.Namespace) -> dict:
     frames = torch.randint(0, 256, (args.batch, args.frames, 3, args.height, args.width), dtype=torch.uint8,
                            device=device)
     latents = torch.randn(args.batch, args.frames // 4, 16, args.height // 8, args.width // 8, device=device)
-    step = [Microbatch(frames, latents, 1.0)]
+    step = [Microbatch(frames, latents, 1 / args.grad_accum)] * args.grad_accum
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    marks: list[float] = []  # the first step's: each forward's start and end, the device idle at each
+    compiled = engine.forward
+
+    def timed_forward(*inputs: torch.Tensor) -> object:
+        sync()
+        marks.append(time.perf_counter())
+        out = compiled(*inputs)
+        sync()
+        marks.append(time.perf_counter())
+        return out
+
     built = time.perf_counter()
-    times = []
-    for _ in range(2):
-        engine.train_step(step, 1e-4)
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter())
+    engine.forward = timed_forward
+    engine.train_step(step, 1e-4)
+    sync()
+    times = [time.perf_counter()]
+    engine.forward = compiled
+    engine.train_step(step, 1e-4)
+    sync()
+    times.append(time.perf_counter())
     names, seconds = compile_times(repr="csv", aggregate=True)  # torch's own timers of the compile's phases
     phases = {name: round(float(s), 2) for name, s in zip(names, seconds) if float(s) >= 0.1}
     return {"imports_s": round(imported - START, 2), "build_s": round(built - imported, 2),
@@ -82,7 +104,20 @@ def one_start(args: argparse.Namespace) -> dict:
             "start_to_first_step_s": round(times[0] - START, 2),
             "aot_autograd": dict(counters["aot_autograd"]), "fxgraph": {
                 k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
-            "compile_phases_s": phases}
+            "compile_phases_s": phases, "first_step_parts_s": first_step_parts(marks, times[0])}
+
+
+def first_step_parts(marks: list[float], end: float) -> dict[str, float]:
+    """The first step's timeline from its forwards' start and end times (`marks`, two a micro-batch) and
+    the step's end: micro-batch 1's forward and backward, micro-batch 2 whole, the others, then the rest."""
+    starts, ends = marks[0::2], marks[1::2]
+    parts = {"forward_1": ends[0] - starts[0],
+             "backward_1": (starts[1] if len(starts) > 1 else end) - ends[0]}
+    if len(starts) > 1:
+        parts["microbatch_2"] = (starts[2] if len(starts) > 2 else end) - starts[1]
+    if len(starts) > 2:
+        parts[f"microbatches_3_to_{len(starts)}_and_update"] = end - starts[2]
+    return {k: round(v, 2) for k, v in parts.items()}
 
 
 def main() -> None:
@@ -91,6 +126,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_clip_shape(parser)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=32,
+                        help="micro-batches a step (the plan's for the shipped config on one GPU)")
     parser.add_argument("--mode", default="reduce-overhead", help="engine.compile_mode")
     parser.add_argument("--starts", type=int, default=3,
                         help="processes per cache folder: 1 cold, the rest warm")
@@ -107,7 +144,7 @@ def main() -> None:
     import torch
 
     shape = ["--frames", str(args.frames), "--height", str(args.height), "--width", str(args.width),
-             "--batch", str(args.batch), "--mode", args.mode,
+             "--batch", str(args.batch), "--grad-accum", str(args.grad_accum), "--mode", args.mode,
              "--cudnn-benchmark" if args.cudnn_benchmark else "--no-cudnn-benchmark"]
     rows = []
     for variant in ("shipped", "before") if args.ab else ("shipped",):
@@ -123,7 +160,8 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     info = run_info(torch.cuda.is_available(), frames=args.frames, height=args.height, width=args.width,
-                    batch=args.batch, compile_mode=args.mode, cudnn_benchmark=args.cudnn_benchmark)
+                    batch=args.batch, grad_accum=args.grad_accum, compile_mode=args.mode,
+                    cudnn_benchmark=args.cudnn_benchmark)
     write_results(args.out, "compile_start", {"info": info, "rows": rows})
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host; faults: all of them).
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
-#   PART: student | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi | faults | all
+#   PART: student | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
+#         faults | all
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
 # was measured, e.g. e2e_start_warm) and its output beside it as .log; gpu_tests writes
@@ -39,12 +40,19 @@ if want student; then  # the isolated step, the shipped config end to end, then 
       --warmup-steps 4 --isolated-steps 0 --work /tmp/taehv-e2e-start
   done
 fi
+if want start; then  # start to first step isolated, as a rank starts: cold, then warm twice, with the timeline
+  run compile_start 1 python3 bench/compile_start.py --starts 3
+fi
+if want quality; then  # the first 200 steps as shipped (twice) and with every fast path off; exported PSNR
+  LIMIT=${LIMIT:-900} run fast_paths_quality 1 python3 bench/fast_paths_quality.py
+fi
 if want kernels; then
   run rgb_head_throughput 1 python3 bench/rgb_head_throughput.py --sweep
   run relu_grad_throughput 1 python3 bench/relu_grad_throughput.py --sweep
 fi
 if want teacher; then  # the teacher alone, then `taehv prepare --local` cold and warm on one compile cache
-  run prepare_throughput 1 python3 bench/prepare_throughput.py --modes compile --batches 2 --skip decode,read
+  run prepare_throughput 1 python3 bench/prepare_throughput.py --modes compile --batches 2 --skip decode,read \
+    --profile compile:2 --trace "$out/trace_teacher_$(tag 1).json.gz"
   for start in cold warm; do
     LIMIT=1500 run "prepare_e2e_$start" 1 python3 bench/prepare_e2e.py --videos 64 --work /tmp/taehv-prepare-e2e
   done

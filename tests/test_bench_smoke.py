@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from taehv_slurm.trainer.hunyuan_encoder import ENCODER_PREFIXES
+from taehv_slurm.trainer.layers import FAST_PATHS
 from tests.helpers import REPO
 
 
@@ -93,6 +94,22 @@ def test_end_to_end_throughput_smoke(tmp_path: Path) -> None:
         assert row["exit"] == 0 and row["clips_per_s"] > 0 and row["isolated_clips_per_s"] > 0
         assert 0 <= row["data_wait"] <= 1 and row["steps_measured"] >= 1
     assert "e2e clips/s" in run.stdout
+
+
+def test_fast_paths_quality_smoke(tmp_path: Path) -> None:
+    # The shipped config through jobs.submit --local three times (as shipped twice, every fast path off
+    # once), each run exported and its file's PSNR measured: the GPU run behind "the fast paths keep the
+    # loss" in docs/benchmarks.md.
+    _, result = run_smoke("fast_paths_quality.py", tmp_path / "quality.json", 600, "--work",
+                          str(tmp_path / "work"))
+    runs = [(r["label"], r["exit"]) for r in result["runs"]]
+    assert runs == [("shipped", 0), ("shipped", 0), ("reference", 0)]
+    assert result["runs"][2]["fast_paths_off"].split(",") == list(FAST_PATHS)
+    for run in result["runs"]:
+        assert [r["step"] for r in run["train"]] == [1, 2, 3, 4] and run["val"][-1]["step"] == 4
+        assert 5 < run["exported_psnr"] < 60  # a real reconstruction's PSNR, not a missing or NaN one
+    assert set(result["summary"]["reference_vs_shipped"]) == {"loss", "reconstruction_loss", "latent_loss",
+                                                                "psnr"}
 
 
 def test_requeue_signal_smoke(tmp_path: Path) -> None:
