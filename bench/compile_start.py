@@ -13,8 +13,10 @@ the compile, the first run), its second step, torch's cache counters (`aot_autog
 bypass), torch's timers of the compile's phases (`compile_phases_s`, those of 0.1 s or more) and the first
 step's timeline (`first_step_parts_s`): the first micro-batch's forward (Dynamo, the compile or the caches'
 loads, the first run) and backward, the second micro-batch (where CUDA graphs are recorded), the other
-micro-batches with the gradient clip and optimizer update. The user's figure, job start to first step through
-`jobs.submit`, is bench/e2e_throughput.py's `first_step_s`.
+micro-batches with the gradient clip and optimizer update; the two steps' losses (the same in every
+start) and how the compiled student came (`precompiled`: loaded, saved, or torch.compile's own path where
+the fast path `precompile` is off, `TAEHV_FAST_PATHS_OFF=precompile`). The user's figure, job start to first
+step through `jobs.submit`, is bench/e2e_throughput.py's `first_step_s`.
 
 "before" (--ab) undoes two changes of 2026-11-27: the model's autocast blocks marked cacheable
 (`AUTOCAST_IN_GRAPH`; torch >= 2.12 bypassed its AOT autograd cache without it) and the all-reduce
@@ -29,7 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -77,26 +81,8 @@ def one_start(args: argparse.Namespace) -> dict:
     latents = torch.randn(args.batch, args.frames // 4, 16, args.height // 8, args.width // 8, device=device)
     step = [Microbatch(frames, latents, 1 / args.grad_accum)] * args.grad_accum
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    marks: list[float] = []  # the first step's: each forward's start and end, the device idle at each
-    compiled = engine.forward
-
-    def timed_forward(*inputs: torch.Tensor) -> object:
-        sync()
-        marks.append(time.perf_counter())
-        out = compiled(*inputs)
-        sync()
-        marks.append(time.perf_counter())
-        return out
-
     built = time.perf_counter()
-    engine.forward = timed_forward
-    engine.train_step(step, 1e-4)
-    sync()
-    times = [time.perf_counter()]
-    engine.forward = compiled
-    engine.train_step(step, 1e-4)
-    sync()
-    times.append(time.perf_counter())
+    marks, times, losses = two_steps(engine, step, sync)
     names, seconds = compile_times(repr="csv", aggregate=True)  # torch's own timers of the compile's phases
     phases = {name: round(float(s), 2) for name, s in zip(names, seconds) if float(s) >= 0.1}
     return {"imports_s": round(imported - START, 2), "build_s": round(built - imported, 2),
@@ -104,7 +90,35 @@ def one_start(args: argparse.Namespace) -> dict:
             "start_to_first_step_s": round(times[0] - START, 2),
             "aot_autograd": dict(counters["aot_autograd"]), "fxgraph": {
                 k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")},
-            "compile_phases_s": phases, "first_step_parts_s": first_step_parts(marks, times[0])}
+            "compile_phases_s": phases, "first_step_parts_s": first_step_parts(marks, times[0]),
+            "losses": losses,  # the same in every start
+            # per input shape: loaded, saved (compiled here) or torch.compile (precompile.py)
+            "precompiled": list(getattr(engine.forward, "outcomes", {}).values())}
+
+
+def two_steps(engine: Any, step: list, sync: Callable[[], None]) -> tuple[list[float], ...]:
+    """Two training steps: the first's forwards' start and end times (each after the device is idle), both
+    steps' end times and losses."""
+    marks: list[float] = []
+    compiled = engine.forward
+
+    def timed_forward(*inputs: Any) -> Any:
+        sync()
+        marks.append(time.perf_counter())
+        out = compiled(*inputs)
+        sync()
+        marks.append(time.perf_counter())
+        return out
+
+    engine.forward = timed_forward
+    first = engine.train_step(step, 1e-4)
+    sync()
+    times = [time.perf_counter()]
+    engine.forward = compiled
+    second = engine.train_step(step, 1e-4)
+    sync()
+    times.append(time.perf_counter())
+    return marks, times, [first.means()["loss"], second.means()["loss"]]
 
 
 def first_step_parts(marks: list[float], end: float) -> dict[str, float]:

@@ -37,7 +37,9 @@ from torch import nn
 
 from taehv_slurm.common.config import ConfigError, missing_engine_package
 from taehv_slurm.common.plan import COMPILED_ENGINES
+from taehv_slurm.trainer.layers import FAST_PATHS
 from taehv_slurm.trainer.losses import DistillModule, summarize
+from taehv_slurm.trainer.precompile import PrecompiledForward, precompiled_folder
 from taehv_slurm.trainer.stragglers import StepClock
 from taehv_slurm.trainer.teacher import to_unit
 
@@ -182,6 +184,8 @@ class FlatAllReduceEngine(Engine):
         # dynamic=False: the last micro-batch of a rank may be smaller; it gets its own specialized graph
         # (at most two or three shapes) instead of a slower dynamic-shape one.
         self.forward = torch.compile(module, mode=compile_mode, dynamic=False) if compile else module
+        if compile and FAST_PATHS["precompile"]:  # later starts load it instead of tracing (precompile.py)
+            self.forward = PrecompiledForward(module, compile_mode, precompiled_folder(), self.forward)
         self.cuda_graphs = compile and compile_mode == "reduce-overhead"
         # Fused on GPUs: its `found_inf` skips a step's update (and step count) on the device, without
         # the host waiting for the GPU to learn whether the step was finite. The CPU's fused kernel

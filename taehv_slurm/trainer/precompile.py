@@ -1,0 +1,152 @@
+"""The compiled student loaded whole from the compile cache: a warm start without Dynamo's tracing.
+
+torch.compile traces the model's Python again at every start, warm cache or not: 3.2 s of a 16-s warm
+start on an H100 (docs/benchmarks.md). torch's AOT compile (`aot_compile`, torch >= 2.10) saves the traced
+and compiled forward and backward as one file, which a later start loads and runs without tracing.
+
+One file per input shape, under the compile cache (`<TORCHINDUCTOR_CACHE_DIR>/precompiled/`), named by a
+digest of everything the traced graph depends on and a loaded file is not checked against: the trainer's
+code, torch's version, the device, the compile options, the autocast state, the fast paths, and the module's
+parameter shapes and constants (the guards on them are left out of the file: torch cannot save them). The
+inputs' shapes, dtypes and strides stay guarded. Anything that fails (a torch without the API, a file it
+cannot read, a guard that does not hold) falls back to torch.compile for that shape, with one log line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+log = logging.getLogger("taehv")
+SUBFOLDER = "precompiled"
+
+
+def code_digest() -> str:
+    """The trainer package's code (the model, its layers, kernels and losses are all in it)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def module_signature(module: nn.Module) -> list[Any]:
+    """What Dynamo would guard on in the module: each parameter's and buffer's name, shape, dtype, stride
+    and device, and each submodule's plain attributes (the loss weights, the training flag, ...)."""
+    plain = (bool, int, float, str, tuple, type(None), torch.dtype)
+    tensors = [(n, tuple(t.shape), str(t.dtype), t.stride(), str(t.device), t.requires_grad)
+               for n, t in [*module.named_parameters(), *module.named_buffers()]]
+    attrs = [(name, sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_")
+                           and isinstance(v, plain)))
+             for name, m in module.named_modules()]
+    return [tensors, attrs]
+
+
+class PrecompiledForward:
+    """`module`'s forward, compiled once per input shape and kept in the compile cache (`folder`); each
+    later process loads it. `compiled` (torch.compile of the module) runs a shape that could not be."""
+
+    def __init__(self, module: nn.Module, mode: str, folder: Path, compiled: Callable[..., Any]) -> None:
+        from taehv_slurm.trainer.layers import FAST_PATHS
+
+        self.module, self.mode, self.folder, self.compiled = module, mode, folder, compiled
+        self.options = torch._inductor.list_mode_options(mode)
+        self.device = next(module.parameters()).device
+        self.fixed = [code_digest(), torch.__version__, str(torch.version.cuda), mode,
+                      sorted(FAST_PATHS.items()),
+                      torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"]
+        self.by_shape: dict[str, Callable[..., Any] | None] = {}
+        self.outcomes: dict[str, str] = {}  # per input shape: "loaded", "saved" or "torch.compile"
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        key = self.key(inputs)
+        if key not in self.by_shape:
+            fn = self.load(key) if self.outcomes.get(key) != "guards failed" else None
+            self.outcomes[key] = "loaded" if fn else "saved"
+            fn = fn or self.compile(key, inputs)
+            self.outcomes[key] = self.outcomes[key] if fn else "torch.compile"
+            self.by_shape[key] = fn
+        fn = self.by_shape[key]
+        if fn is None:
+            return self.compiled(*inputs)
+        try:
+            return fn(self.module, *inputs)
+        except RuntimeError as err:  # a loaded file whose saved guards do not hold: never run it
+            if self.outcomes[key] != "loaded" or "GuardManager check failed" not in str(err):
+                raise
+            log.warning("the compiled student in %s does not fit this module; compiling it again",
+                        self.folder / f"{key}.bin")
+            self.by_shape.pop(key)
+            self.outcomes[key] = "guards failed"
+            return self(*inputs)
+
+    def key(self, inputs: tuple[torch.Tensor, ...]) -> str:
+        shapes = [(tuple(t.shape), str(t.dtype), t.stride(), str(t.device)) if torch.is_tensor(t) else repr(t)
+                  for t in inputs]
+        autocast = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type))
+        described = repr([self.fixed, module_signature(self.module), shapes, autocast])
+        return hashlib.sha256(described.encode()).hexdigest()[:32]
+
+    def load(self, key: str) -> Callable[..., Any] | None:
+        path = self.folder / f"{key}.bin"
+        if not path.is_file():
+            return None
+        try:
+            with open(path, "rb") as f:
+                return torch.compiler.load_compiled_function(f)
+        except Exception as err:  # noqa: BLE001 (any failure: compile as if none were saved)
+            log.warning("the compiled student in %s did not load (%s: %s); compiling it again", path,
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            return None
+
+    def compile(self, key: str, inputs: tuple[torch.Tensor, ...]) -> Callable[..., Any] | None:
+        # torch cannot save a parameter's .grad with the guards (the engine's gradient windows): None while
+        # tracing, put back after; the compiled graph never reads them.
+        grads = [(p, p.grad) for p in self.module.parameters()]
+        try:
+            for p, _ in grads:
+                p.grad = None
+            with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.10, 2.11: off by default
+                fn = torch.compile(self.module.forward, fullgraph=True, dynamic=False,
+                                   options={**self.options, "guard_filter_fn": input_guards}
+                                   ).aot_compile((inputs, {}))
+        except Exception as err:  # noqa: BLE001 (an older torch, a graph it cannot save: as before)
+            log.warning("the student could not be precompiled (%s: %s); torch.compile traces it at every "
+                        "start", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            return None
+        finally:
+            for p, g in grads:
+                p.grad = g
+        path = self.folder / f"{key}.bin"
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fn.save_compiled_function(str(tmp))
+            os.replace(tmp, path)
+        except Exception as err:  # noqa: BLE001 (a full or read-only cache: this process still runs it)
+            log.warning("the compiled student was not saved to %s (%s)", path, err)
+            tmp.unlink(missing_ok=True)
+        return fn
+
+
+def input_guards(entries: list[Any]) -> list[bool]:
+    """Keep the guards on the inputs; leave out the global ones and those on the module (`self`), which
+    torch cannot save (the key stands for them)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsupported = getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ())
+    return [not e.is_global and not e.name.startswith("L['self']") and e.guard_type not in unsupported
+            for e in entries]
+
+
+def precompiled_folder() -> Path:
+    """Where the files go: beside Inductor's own caches (use_compile_cache has pointed them at the job's)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / SUBFOLDER
