@@ -85,6 +85,17 @@ def test_a_later_start_loads_the_compiled_student_and_a_changed_one_is_compiled_
     assert "did not load" in log and "compiling it again" in log
     assert repaired["loss"] == first["loss"] and repaired["grad"] == first["grad"]
 
+    # Each file holding the other shape's function: its saved guards on the inputs fail at the first run,
+    # which compiles it again (and replaces the file), not a step run with the wrong program.
+    a, b = sorted((cache / "precompiled").glob("*.bin"))
+    content_a = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(content_a)
+    swapped, log = start(cache)
+    assert swapped["outcomes"] == ["saved", "saved"] and log.count("failed its first run") == 2
+    assert swapped["loss"] == first["loss"] and swapped["grad"] == first["grad"]
+    assert start(cache)[0]["outcomes"] == ["loaded", "loaded"]
+
     # Another loss weight is a constant inside the graph, and the file leaves out the guards on the module:
     # the weight is part of the file's name, so the old files are not run with it.
     reweighted, _ = start(cache, weight=10.0)

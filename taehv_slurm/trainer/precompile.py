@@ -1,15 +1,17 @@
 """The compiled student loaded whole from the compile cache: a warm start without Dynamo's tracing.
 
-torch.compile traces the model's Python again at every start, warm cache or not: 3.2 s of a 16-s warm
-start on an H100 (docs/benchmarks.md). torch's AOT compile (`aot_compile`, torch >= 2.10) saves the traced
-and compiled forward and backward as one file, which a later start loads and runs without tracing.
+torch.compile traces the model's Python again at every start, warm cache or not: 3.8 s of a 17.7-s warm
+start on an H100 (docs/benchmarks.md). torch's AOT compile (`aot_compile`; tested with torch 2.11 on GPUs
+and 2.13 on CPUs) saves the traced and compiled forward and backward as one file, which a later start loads
+and runs without tracing.
 
-One file per input shape, under the compile cache (`<TORCHINDUCTOR_CACHE_DIR>/precompiled/`), named by a
-digest of everything the traced graph depends on and a loaded file is not checked against: the trainer's
-code, torch's version, the device, the compile options, the autocast state, the fast paths, and the module's
-parameter shapes and constants (the guards on them are left out of the file: torch cannot save them). The
-inputs' shapes, dtypes and strides stay guarded. Anything that fails (a torch without the API, a file it
-cannot read, a guard that does not hold) falls back to torch.compile for that shape, with one log line.
+One file per input shape, under the compile cache (`<TORCHINDUCTOR_CACHE_DIR>/precompiled/`). The file keeps
+the guards on the inputs and on the module (its parameters' shapes, its constants), checked at the first
+run; torch leaves out the guards on globals, so the file's name is a digest of what they stood for (the
+trainer's code, torch's version, the device, the compile options, the autocast state, the fast paths), and
+of the module and the inputs too, so that runs of two configs on one cache each keep their own. Anything
+that fails (a torch without the API, a file it cannot read, a first run that fails) compiles again or runs
+torch.compile for that shape, with one log line; a file that failed is removed.
 """
 
 from __future__ import annotations
@@ -58,39 +60,45 @@ class PrecompiledForward:
         self.module, self.mode, self.folder, self.compiled = module, mode, folder, compiled
         self.options = torch._inductor.list_mode_options(mode)
         self.device = next(module.parameters()).device
-        self.fixed = [code_digest(), torch.__version__, str(torch.version.cuda), mode,
-                      sorted(FAST_PATHS.items()),
-                      torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"]
+        self.fixed = repr([code_digest(), torch.__version__, str(torch.version.cuda), mode,
+                           sorted(FAST_PATHS.items()), module_signature(module),
+                           torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"])
         self.by_shape: dict[str, Callable[..., Any] | None] = {}
         self.outcomes: dict[str, str] = {}  # per input shape: "loaded", "saved" or "torch.compile"
+        self.proven: set[str] = set()  # the shapes whose function has run once
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         key = self.key(inputs)
         if key not in self.by_shape:
-            fn = self.load(key) if self.outcomes.get(key) != "guards failed" else None
+            fn = self.load(key)
             self.outcomes[key] = "loaded" if fn else "saved"
-            fn = fn or self.compile(key, inputs)
-            self.outcomes[key] = self.outcomes[key] if fn else "torch.compile"
-            self.by_shape[key] = fn
+            self.by_shape[key] = fn or self.compile(key, inputs)
         fn = self.by_shape[key]
         if fn is None:
+            self.outcomes[key] = "torch.compile"
             return self.compiled(*inputs)
-        try:
+        if key in self.proven:
             return fn(self.module, *inputs)
-        except RuntimeError as err:  # a loaded file whose saved guards do not hold: never run it
-            if self.outcomes[key] != "loaded" or "GuardManager check failed" not in str(err):
-                raise
-            log.warning("the compiled student in %s does not fit this module; compiling it again",
-                        self.folder / f"{key}.bin")
-            self.by_shape.pop(key)
-            self.outcomes[key] = "guards failed"
+        try:
+            out = fn(self.module, *inputs)
+        except Exception as err:  # noqa: BLE001 (its first run: a saved guard that fails, anything torch does)
+            path = self.folder / f"{key}.bin"
+            path.unlink(missing_ok=True)  # never loaded again
+            loaded = self.outcomes[key] == "loaded"
+            log.warning("the compiled student %s failed its first run (%s: %s); %s", path, type(err).__name__,
+                        str(err).splitlines()[0] if str(err) else "",
+                        "compiling it again" if loaded else "torch.compile runs this shape")
+            self.by_shape[key] = self.compile(key, inputs) if loaded else None
+            self.outcomes[key] = "saved"
             return self(*inputs)
+        self.proven.add(key)
+        return out
 
     def key(self, inputs: tuple[torch.Tensor, ...]) -> str:
         shapes = [(tuple(t.shape), str(t.dtype), t.stride(), str(t.device)) if torch.is_tensor(t) else repr(t)
                   for t in inputs]
         autocast = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type))
-        described = repr([self.fixed, module_signature(self.module), shapes, autocast])
+        described = repr([self.fixed, self.module.training, shapes, autocast])  # the rest fixed at build
         return hashlib.sha256(described.encode()).hexdigest()[:32]
 
     def load(self, key: str) -> Callable[..., Any] | None:
@@ -112,9 +120,9 @@ class PrecompiledForward:
         try:
             for p, _ in grads:
                 p.grad = None
-            with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.10, 2.11: off by default
+            with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.11: off by default
                 fn = torch.compile(self.module.forward, fullgraph=True, dynamic=False,
-                                   options={**self.options, "guard_filter_fn": input_guards}
+                                   options={**self.options, "guard_filter_fn": saved_guards}
                                    ).aot_compile((inputs, {}))
         except Exception as err:  # noqa: BLE001 (an older torch, a graph it cannot save: as before)
             log.warning("the student could not be precompiled (%s: %s); torch.compile traces it at every "
@@ -135,14 +143,13 @@ class PrecompiledForward:
         return fn
 
 
-def input_guards(entries: list[Any]) -> list[bool]:
-    """Keep the guards on the inputs; leave out the global ones and those on the module (`self`), which
-    torch cannot save (the key stands for them)."""
+def saved_guards(entries: list[Any]) -> list[bool]:
+    """The guards a file keeps: all but those on globals and those torch cannot save (torch 2.13's default;
+    2.11 needs it said)."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsupported = getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ())
-    return [not e.is_global and not e.name.startswith("L['self']") and e.guard_type not in unsupported
-            for e in entries]
+    return [not e.is_global and e.guard_type not in unsupported for e in entries]
 
 
 def precompiled_folder() -> Path:
