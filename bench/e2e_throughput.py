@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
 from bench.prepare_throughput import write_h264  # noqa: E402
-from taehv_slurm.common.config import load_train  # noqa: E402
+from taehv_slurm.common.config import TrainConfig, load_train  # noqa: E402
 from taehv_slurm.common.plan import plan_for  # noqa: E402
 from taehv_slurm.common.runfolder import JobDir, RunFolder  # noqa: E402
 from taehv_slurm.goodput import goodput_frame  # noqa: E402
@@ -228,6 +228,13 @@ def source_settings(source: str, args: argparse.Namespace, work: Path, prepared:
     return sets
 
 
+def shipped_with(sets: dict[str, Any]) -> TrainConfig:
+    """The shipped config with a run's `--set` overrides (a "[..]" value is a YAML list)."""
+    return load_train(load_train(SHIPPED).to_dict(),
+                      **{k: (json.loads(v) if isinstance(v, str) and v.startswith("[") else v)
+                         for k, v in sets.items()})
+
+
 def measure_source(source: str, args: argparse.Namespace, work: Path, prepared: Path, cluster: Path,
                    spec: ClipSpec, device: torch.device) -> dict[str, Any]:
     """One source: `jobs.submit --local` with the shipped config, its steady figures and the isolated step."""
@@ -239,10 +246,7 @@ def measure_source(source: str, args: argparse.Namespace, work: Path, prepared: 
             *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
     out = run(argv, work / f"{name}.log", args.timeout)
     lines = JobDir(work / "runs").run(name).metrics().read()
-    # The plan the run had: the shipped config with the same overrides (a "[..]" value is a YAML list).
-    train_cfg = load_train(load_train(SHIPPED).to_dict(),
-                           **{k: (json.loads(v) if isinstance(v, str) and v.startswith("[") else v)
-                              for k, v in sets.items()})
+    train_cfg = shipped_with(sets)  # the plan the run had
     plan = plan_for(1, args.gpus if on_gpu else 0, train_cfg, cpus_per_task=args.cpus, device=device.type)
     row: dict[str, Any] = {"source": source, "exit": out.returncode, "grad_accum": plan.grad_accum,
                            "per_gpu_batch": plan.per_gpu_batch, "loader_workers": plan.num_workers,

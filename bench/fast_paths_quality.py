@@ -34,8 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._record import run_info, write_results  # noqa: E402
-from bench.e2e_throughput import SHIPPED, local_cluster, prepare_data, run  # noqa: E402
-from taehv_slurm.common.config import load_train  # noqa: E402
+from bench.e2e_throughput import SHIPPED, local_cluster, prepare_data, run, shipped_with  # noqa: E402
 from taehv_slurm.common.runfolder import JobDir  # noqa: E402
 from taehv_slurm.trainer.data import ClipSpec  # noqa: E402
 from taehv_slurm.trainer.layers import FAST_PATHS, FAST_PATHS_OFF_ENV  # noqa: E402
@@ -63,8 +62,7 @@ def exported_psnr(weights: Path, cfg_sets: dict[str, Any], device: torch.device)
     from taehv_slurm.trainer.losses import DistillModule
     from taehv_slurm.trainer.model import TAEHV, TAEHVConfig
 
-    cfg = load_train(load_train(SHIPPED).to_dict(), **{
-        k: (json.loads(v) if isinstance(v, str) and v.startswith("[") else v) for k, v in cfg_sets.items()})
+    cfg = shipped_with(cfg_sets)
     student = TAEHV(TAEHVConfig.from_dict(cfg.model_fields()))
     student.load_state_dict({k: v.float() for k, v in load_file(str(weights)).items()})
     module = DistillModule(student.to(device).eval())
@@ -82,8 +80,8 @@ def one_run(label: str, off: str, args: argparse.Namespace, work: Path, cluster:
             sets: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """`jobs.submit --local` with the shipped config and `sets`, fast paths `off`; then `jobs.export`."""
     name = f"quality-{label}-{time.strftime('%H%M%S')}"
-    env_off = {FAST_PATHS_OFF_ENV: off} if off else {}
-    os.environ.update(env_off)
+    if off:
+        os.environ[FAST_PATHS_OFF_ENV] = off
     try:
         overrides = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
         out = run([sys.executable, "-m", "jobs.submit", "--local", "--cluster", str(cluster), "--train",
