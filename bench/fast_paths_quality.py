@@ -154,14 +154,13 @@ def main() -> None:
     sets = settings(args, prepared)
     info = run_info(on_gpu, clip=[spec.frames, spec.height, spec.width], steps=args.steps,
                     effective_batch=args.effective, settings=sets)
-    out = None
+    out = args.out  # the file is written after each run, to one path: a call cut short keeps what it had
     runs: list[dict[str, Any]] = []
-    for label, off in RUNS:  # the file is written after each run: a call cut short keeps what it had
+    for label, off in RUNS:
         runs.append(one_run(label, off, args, work, cluster, sets, device))
         summary = summarize(runs)
-        out = write_results(out and str(out) or args.out,
-                            "fast_paths_quality_smoke" if args.smoke else "fast_paths_quality",
-                            {"info": info, "summary": summary, "runs": runs})
+        out = str(write_results(out, "fast_paths_quality_smoke" if args.smoke else "fast_paths_quality",
+                                {"info": info, "summary": summary, "runs": runs}))
     print(json.dumps(summary, indent=1), flush=True)
     if any(r["exit"] != 0 for r in runs):
         sys.exit(1)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from taehv_slurm.common.messages import one_line
+
 log = logging.getLogger("taehv")
 SUBFOLDER = "precompiled"
 
@@ -57,7 +59,7 @@ class PrecompiledForward:
     def __init__(self, module: nn.Module, mode: str, folder: Path, compiled: Callable[..., Any]) -> None:
         from taehv_slurm.trainer.layers import FAST_PATHS
 
-        self.module, self.mode, self.folder, self.compiled = module, mode, folder, compiled
+        self.module, self.folder, self.compiled = module, folder, compiled
         self.options = torch._inductor.list_mode_options(mode)
         self.device = next(module.parameters()).device
         self.fixed = repr([code_digest(), torch.__version__, str(torch.version.cuda), mode,
@@ -70,12 +72,13 @@ class PrecompiledForward:
     def __call__(self, *inputs: torch.Tensor) -> Any:
         key = self.key(inputs)
         if key not in self.by_shape:
-            fn = self.load(key)
-            self.outcomes[key] = "loaded" if fn else "saved"
-            self.by_shape[key] = fn or self.compile(key, inputs)
+            loaded = self.load(key)
+            if loaded:
+                self.settle(key, loaded, "loaded")
+            else:
+                self.settle(key, self.compile(key, inputs), "saved")
         fn = self.by_shape[key]
         if fn is None:
-            self.outcomes[key] = "torch.compile"
             return self.compiled(*inputs)
         if key in self.proven:
             return fn(self.module, *inputs)
@@ -85,14 +88,17 @@ class PrecompiledForward:
             path = self.folder / f"{key}.bin"
             path.unlink(missing_ok=True)  # never loaded again
             loaded = self.outcomes[key] == "loaded"
-            log.warning("the compiled student %s failed its first run (%s: %s); %s", path, type(err).__name__,
-                        str(err).splitlines()[0] if str(err) else "",
+            log.warning("the compiled student %s failed its first run (%s); %s", path, one_line(err),
                         "compiling it again" if loaded else "torch.compile runs this shape")
-            self.by_shape[key] = self.compile(key, inputs) if loaded else None
-            self.outcomes[key] = "saved"
+            self.settle(key, self.compile(key, inputs) if loaded else None, "saved")
             return self(*inputs)
         self.proven.add(key)
         return out
+
+    def settle(self, key: str, fn: Callable[..., Any] | None, outcome: str) -> None:
+        """What runs the shape `key` from now on: `fn` (`outcome`: loaded or saved), or torch.compile."""
+        self.by_shape[key] = fn
+        self.outcomes[key] = outcome if fn is not None else "torch.compile"
 
     def key(self, inputs: tuple[torch.Tensor, ...]) -> str:
         shapes = [(tuple(t.shape), str(t.dtype), t.stride(), str(t.device)) if torch.is_tensor(t) else repr(t)
@@ -109,8 +115,8 @@ class PrecompiledForward:
             with open(path, "rb") as f:
                 return torch.compiler.load_compiled_function(f)
         except Exception as err:  # noqa: BLE001 (any failure: compile as if none were saved)
-            log.warning("the compiled student in %s did not load (%s: %s); compiling it again", path,
-                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            log.warning("the compiled student in %s did not load (%s); compiling it again", path,
+                        one_line(err))
             return None
 
     def compile(self, key: str, inputs: tuple[torch.Tensor, ...]) -> Callable[..., Any] | None:
@@ -125,8 +131,8 @@ class PrecompiledForward:
                                    options={**self.options, "guard_filter_fn": saved_guards}
                                    ).aot_compile((inputs, {}))
         except Exception as err:  # noqa: BLE001 (an older torch, a graph it cannot save: as before)
-            log.warning("the student could not be precompiled (%s: %s); torch.compile traces it at every "
-                        "start", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            log.warning("the student could not be precompiled (%s); torch.compile traces it at every start",
+                        one_line(err))
             return None
         finally:
             for p, g in grads:
