@@ -297,8 +297,9 @@ def start_figures(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any
         return None if pd.isna(first.get(column)) else float(first[column])
 
     mfus = [r["mfu"] for r in metrics if r.get("mfu") is not None]
+    compiled = [e["student"] for e in events if e["event"] == "compiled"]  # precompile: loaded, saved, ...
     return {"first_step_s": known("time_to_first_step_s"), "start_up_s": known("start_up_s"),
-            "mfu": mfus[-1] if mfus else None}
+            "mfu": mfus[-1] if mfus else None, "compiled": compiled[0] if compiled else None}
 
 
 def prepare_figures(job_dir: Path) -> dict[str, Any]:
@@ -334,7 +335,8 @@ def print_table(info: dict[str, Any], cpus: int, rows: list[dict[str, Any]]) -> 
                     else " " * 15)
         print(f"{r['source']:>9} {r['grad_accum']:>5} {r['loader_workers']:>7} {r['clips_per_s']:>11.1f} "
               f"{isolated} {100 * r['data_wait']:>8.0f}% {r['peak_gib']:>8.1f}  "
-              f"first step {r['first_step_s']} s (start-up {r['start_up_s']} s)")
+              f"first step {r['first_step_s']} s (start-up {r['start_up_s']} s)"
+              + (f", the student {'/'.join(r['compiled'])}" if r.get("compiled") else ""))
 
 
 def main() -> None:

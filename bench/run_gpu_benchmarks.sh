@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host; faults: all of them).
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
-#   PART: student | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
+#   PART: student | starts | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
 #         faults | all
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
@@ -31,14 +31,21 @@ run() {  # NAME GPUS COMMAND...: --out OUTDIR/NAME_<tag>.json is added unless NO
   timeout "${LIMIT:-600}" "$@" 2>&1 | grep -v Warning | tee "$base.log" | tail -25
 }
 want() { [[ $part == "$1" || $part == all ]]; }
-if want student; then  # the isolated step, the shipped config end to end, then its start cold and warm
+if want student; then  # the isolated step, then the shipped config end to end
   run train_throughput 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4
   LIMIT=1500 run e2e_throughput 1 python3 bench/e2e_throughput.py --sources prepared --videos 24 --steps 16 \
     --warmup-steps 4 --work /tmp/taehv-e2e-student
-  for start in cold warm; do  # one work folder, so one job folder and compile cache: the second is warm
-    LIMIT=900 run "e2e_start_$start" 1 python3 bench/e2e_throughput.py --sources prepared --videos 24 --steps 10 \
-      --warmup-steps 4 --isolated-steps 0 --work /tmp/taehv-e2e-start
-  done
+fi
+if want starts; then  # the shipped config through the command, precompiled: cold, warm; torch.compile's: warm, cold
+  python3 -c "import torch, deepspeed, taehv_slurm.trainer.train" 2>/dev/null  # both colds find the files read
+  w=/tmp/taehv-e2e-start  # one work folder, so one job folder and compile cache: the second run is warm
+  e2e=(python3 bench/e2e_throughput.py --sources prepared --videos 16 --steps 10 --warmup-steps 4 --isolated-steps 0
+       --prepare-flags=--no-compile --work "$w")
+  LIMIT=300 run e2e_start_cold 1 "${e2e[@]}"
+  LIMIT=150 run e2e_start_warm 1 "${e2e[@]}"
+  TAEHV_FAST_PATHS_OFF=precompile LIMIT=150 run e2e_start_warm_torch_compile 1 "${e2e[@]}"
+  rm -rf "$w/runs/compile-cache"
+  TAEHV_FAST_PATHS_OFF=precompile LIMIT=200 run e2e_start_cold_torch_compile 1 "${e2e[@]}"
 fi
 if want start; then  # start to first step isolated, as a rank starts: cold, then warm twice, with the timeline
   run compile_start 1 python3 bench/compile_start.py --starts 3

@@ -49,7 +49,7 @@ g = torch.Generator().manual_seed(1)
 frames = torch.randint(0, 256, (3, 4, 3, 16, 16), dtype=torch.uint8, generator=g)
 step = engine.train_step([Microbatch(frames[:2], None, 2 / 3), Microbatch(frames[2:], None, 1 / 3)], 1e-3)
 print(json.dumps({"loss": step.means()["loss"], "grad": engine.flat_grad[:-1].tolist(),
-                  "outcomes": sorted(getattr(engine.forward, "outcomes", {}).values()),
+                  "outcomes": engine.compiled_outcomes(),
                   "traced": counters["stats"]["unique_graphs"]}))
 """
 

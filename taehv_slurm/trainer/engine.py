@@ -124,6 +124,12 @@ class Engine:
         """One optimizer step; `clock`: marked where the engine is `timed`, ignored otherwise."""
         raise NotImplementedError
 
+    def compiled_outcomes(self) -> list[str]:
+        """How this process got each input shape's compiled student so far: "loaded", "saved" or
+        "torch.compile" (precompile.py); empty where the student is not precompiled."""
+        forward = getattr(self, "forward", None)
+        return sorted(forward.outcomes.values()) if isinstance(forward, PrecompiledForward) else []
+
     def evaluate(self, frames: torch.Tensor, teacher_latents: torch.Tensor | None) -> dict[str, float]:
         raise NotImplementedError
 

@@ -214,6 +214,9 @@ class Trainer:
             window.add(result, clock)
             decision = self.guard.observe(step, result.skipped)
             step += 1
+            if step == self.resumed_at + 1 and self.main and (how := self.engine.compiled_outcomes()):
+                log.info("the compiled student: %s", ", ".join(how))  # the first step's shapes
+                self.ctx.events.write("compiled", segment=self.ctx.segment, step=step, student=how)
             last = self.after_step(step, window, lr) or last
             if step == cfg.steps and decision is None:
                 decision = self.guard.flush()  # the last step's flag, before the final save
