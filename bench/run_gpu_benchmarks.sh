@@ -36,16 +36,15 @@ if want student; then  # the isolated step, then the shipped config end to end
   LIMIT=1500 run e2e_throughput 1 python3 bench/e2e_throughput.py --sources prepared --videos 24 --steps 16 \
     --warmup-steps 4 --work /tmp/taehv-e2e-student
 fi
-if want starts; then  # the shipped config through the command, precompiled: cold, warm; torch.compile's: warm, cold
+if want starts; then  # the shipped config through the command: cold (compiled aside), warm; cold, in the rank
   python3 -c "import torch, deepspeed, taehv_slurm.trainer.train" 2>/dev/null  # both colds find the files read
   w=/tmp/taehv-e2e-start  # one work folder, so one job folder and compile cache: the second run is warm
-  e2e=(python3 bench/e2e_throughput.py --sources prepared --videos 16 --steps 10 --warmup-steps 4 --isolated-steps 0
+  e2e=(python3 bench/e2e_throughput.py --sources prepared --videos 16 --steps 20 --warmup-steps 12 --isolated-steps 0
        --prepare-flags=--no-compile --work "$w")
   LIMIT=300 run e2e_start_cold 1 "${e2e[@]}"
   LIMIT=150 run e2e_start_warm 1 "${e2e[@]}"
-  TAEHV_FAST_PATHS_OFF=precompile LIMIT=150 run e2e_start_warm_torch_compile 1 "${e2e[@]}"
   rm -rf "$w/runs/compile-cache"
-  TAEHV_FAST_PATHS_OFF=precompile LIMIT=200 run e2e_start_cold_torch_compile 1 "${e2e[@]}"
+  TAEHV_FAST_PATHS_OFF=compile_aside LIMIT=200 run e2e_start_cold_in_rank 1 "${e2e[@]}"
 fi
 if want start; then  # start to first step isolated, as a rank starts: cold, then warm twice, with the timeline
   run compile_start 1 python3 bench/compile_start.py --starts 3

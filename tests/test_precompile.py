@@ -1,10 +1,11 @@
 """The compiled student saved whole and loaded by later starts (taehv_slurm/trainer/precompile.py): a later
 process runs it without tracing and trains exactly as the first did; a changed module or a damaged file is
-compiled again, never run stale.
+compiled again, never run stale. A cold start trains eager while another process compiles the student, then
+runs what that process saved: the same program as one compiled in the rank.
 
 Each start is its own process on one compile cache, as ranks and requeues are: the all-reduce engine with
-torch.compile on the CPU (Inductor's C++), a small student (two convolutions: the C++ compiles in seconds),
-one step of two micro-batches of different sizes (the last one smaller: two shapes, two files).
+torch.compile on the CPU (Inductor's C++), a small student (tests/tiny_student.py: its C++ compiles in
+seconds), one step of two micro-batches of different sizes (the last one smaller: two shapes, two files).
 """
 
 from __future__ import annotations
@@ -18,46 +19,40 @@ from pathlib import Path
 from tests.helpers import REPO
 
 START = r"""
-import json, sys
+import json, sys, time
 import torch
-from torch import nn
 from torch._dynamo.utils import counters
 from taehv_slurm.trainer.engine import Microbatch, make_engine
 from taehv_slurm.trainer.losses import DistillModule
-
-
-class Student(nn.Module):  # frames N×4×3×H×W → one latent frame → the first frame again
-    def __init__(self):
-        super().__init__()
-        self.enc = nn.Conv2d(3, 16, 4, stride=4)
-        self.dec = nn.ConvTranspose2d(16, 3, 4, stride=4)
-
-    def encode_video(self, x):
-        n, t = x.shape[:2]
-        return self.enc(x.flatten(0, 1)).unflatten(0, (n, t)).mean(1, keepdim=True)
-
-    def decode_video(self, z, clamp=True):
-        return self.dec(z.flatten(0, 1)).unflatten(0, z.shape[:2])
-
+from tests.tiny_student import TinyStudent
 
 torch.manual_seed(0)
-module = DistillModule(Student(), reconstruction_weight=float(sys.argv[1]))
+module = DistillModule(TinyStudent(), reconstruction_weight=float(sys.argv[1]))
 engine = make_engine("allreduce", module, torch.device("cpu"), precision="fp32", grad_clip=1.0, lr=1e-3,
                      betas=(0.9, 0.95), weight_decay=0.01, compile=True, compile_mode="default",
                      per_gpu_batch=2, grad_accum=2)
 g = torch.Generator().manual_seed(1)
 frames = torch.randint(0, 256, (3, 4, 3, 16, 16), dtype=torch.uint8, generator=g)
-step = engine.train_step([Microbatch(frames[:2], None, 2 / 3), Microbatch(frames[2:], None, 1 / 3)], 1e-3)
-print(json.dumps({"loss": step.means()["loss"], "grad": engine.flat_grad[:-1].tolist(),
-                  "outcomes": engine.compiled_outcomes(),
-                  "traced": counters["stats"]["unique_graphs"]}))
+micro = [Microbatch(frames[:2], None, 2 / 3), Microbatch(frames[2:], None, 1 / 3)]
+step = engine.train_step(micro, 1e-3)
+result = {"loss": step.means()["loss"], "grad": engine.flat_grad[:-1].tolist(),
+          "outcomes": engine.compiled_outcomes()}
+steps, began = [result["outcomes"]], time.monotonic()  # then, with argv[2], on until nothing runs eager
+while len(sys.argv) > 2 and any(o.startswith("eager") for o in steps[-1]) and time.monotonic() - began < 240:
+    time.sleep(0.2)
+    engine.train_step(micro, 1e-3)
+    steps.append(engine.compiled_outcomes())
+print(json.dumps({**result, "traced": counters["stats"]["unique_graphs"], "steps": steps}))
 """
 
 
-def start(cache: Path, weight: float = 20.0, **env: str) -> tuple[dict, str]:
-    run = subprocess.run([sys.executable, "-c", START, str(weight)], capture_output=True, text=True, cwd=REPO,
-                         timeout=300, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache),
-                                           "PYTHONPATH": str(REPO), **env})
+def start(cache: Path, weight: float = 20.0, until_compiled: bool = False, cwd: Path = REPO,
+          **env: str) -> tuple[dict, str]:
+    """One start on `cache`; the compile aside is off unless TAEHV_FAST_PATHS_OFF says otherwise."""
+    run = subprocess.run([sys.executable, "-c", START, str(weight), *(["on"] if until_compiled else [])],
+                         capture_output=True, text=True, cwd=cwd, timeout=300,
+                         env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO),
+                              "TAEHV_FAST_PATHS_OFF": "compile_aside", **env})
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
@@ -75,7 +70,7 @@ def test_a_later_start_loads_the_compiled_student_and_a_changed_one_is_compiled_
     assert again["loss"] == first["loss"] and again["grad"] == first["grad"]
 
     # torch.compile's own path (the fast path off) gives the same step: the saved one is the same program
-    plain, _ = start(cache, TAEHV_FAST_PATHS_OFF="precompile")
+    plain, _ = start(cache, TAEHV_FAST_PATHS_OFF="precompile,compile_aside")
     assert plain["outcomes"] == [] and plain["traced"] == 2
     assert abs(plain["loss"] - first["loss"]) <= 1e-6 * abs(first["loss"])
 
@@ -102,3 +97,42 @@ def test_a_later_start_loads_the_compiled_student_and_a_changed_one_is_compiled_
     assert reweighted["outcomes"] == ["saved", "saved"]
     assert len(list((cache / "precompiled").glob("*.bin"))) == 4
     assert reweighted["loss"] != first["loss"]
+
+
+def test_a_cold_start_trains_eager_while_another_process_compiles_the_student(tmp_path: Path) -> None:
+    aside, _ = start(tmp_path / "aside", until_compiled=True, TAEHV_FAST_PATHS_OFF="")
+    steps = aside["steps"]
+    assert steps[0] == ["eager, compiling aside"] * 2  # the first step did not wait for the compile
+    assert steps[-1] == ["compiled aside"] * 2, steps[-1]  # then each shape ran what the other process saved
+    assert aside["traced"] == 0  # nothing compiled in the training process
+    folder = tmp_path / "aside" / "precompiled"
+    assert len(list(folder.glob("*.bin"))) == 2
+    assert [p.name for p in folder.iterdir() if not p.name.endswith(".bin")] == []  # no job, no log left
+
+    # What the other process saved is the program this one would have compiled: a later start loads it,
+    # and its step is the step of a rank that compiled the student itself (its own cache).
+    loaded, _ = start(tmp_path / "aside")
+    assert loaded["outcomes"] == ["loaded", "loaded"] and loaded["traced"] == 0
+    compiled_here, _ = start(tmp_path / "here")
+    assert compiled_here["outcomes"] == ["saved", "saved"]
+    assert loaded["loss"] == compiled_here["loss"] and loaded["grad"] == compiled_here["grad"]
+    # the eager step is the same step, to the roundings of another order
+    assert abs(aside["loss"] - compiled_here["loss"]) <= 1e-6 * abs(compiled_here["loss"])
+
+
+def test_a_compile_aside_that_fails_leaves_its_log_and_the_rank_compiles_it(tmp_path: Path) -> None:
+    # Run from a folder where the compiling process cannot import the student's class (the training
+    # process has it on its path): it fails; the rank names its log and compiles the student itself.
+    script = tmp_path / "start.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(REPO)!r})\n" + START)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c"), "PYTHONPATH": "",
+           "TAEHV_FAST_PATHS_OFF": ""}
+    run = subprocess.run([sys.executable, str(script), "20.0", "on"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    failed = json.loads(run.stdout.strip().splitlines()[-1])
+    assert failed["steps"][0] == ["eager, compiling aside"] * 2
+    assert failed["steps"][-1] == ["saved", "saved"]
+    assert run.stderr.count("was not compiled aside") == 2
+    logs = sorted((tmp_path / "c" / "precompiled").glob("*.log"))
+    assert len(logs) == 2 and all("No module named 'tests'" in p.read_text() for p in logs)  # its error, kept

@@ -172,6 +172,7 @@ FAST_PATHS = {
     "triton_first_conv": True,  # the first stage's conv + ReLU as Triton kernels, no stored masked gradient
     "copy_overlap": True,       # (train.py) each micro-batch copied to the GPU on a stream of its own
     "precompile": True,         # (engine.py) the compiled student saved whole, loaded by later starts
+    "compile_aside": True,      # (precompile.py) ... and while no file has it, another process compiles it
 }
 FAST_PATHS_OFF_ENV = "TAEHV_FAST_PATHS_OFF"  # names turned off in every process of a run (benchmarks' A/B)
 

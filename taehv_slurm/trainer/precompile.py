@@ -12,6 +12,12 @@ trainer's code, torch's version, the device, the compile options, the autocast s
 of the module and the inputs too, so that runs of two configs on one cache each keep their own. Anything
 that fails (a torch without the API, a file it cannot read, a first run that fails) compiles again or runs
 torch.compile for that shape, with one log line; a file that failed is removed.
+
+Where no file has a shape yet (a cold start), the student trains eager while another process compiles it
+(`compile_aside`; `python -m taehv_slurm.trainer.precompile JOB`, the module and the inputs' shapes handed
+over in a file), and each micro-batch after the file appears runs it: the first step comes after an eager
+step instead of after the whole compile. If that process fails, this one compiles as before (its log is kept
+beside the files).
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +37,7 @@ import torch
 from torch import nn
 
 from taehv_slurm.common.messages import one_line
+from taehv_slurm.trainer.layers import FAST_PATHS
 
 log = logging.getLogger("taehv")
 SUBFOLDER = "precompiled"
@@ -57,26 +68,23 @@ class PrecompiledForward:
     later process loads it. `compiled` (torch.compile of the module) runs a shape that could not be."""
 
     def __init__(self, module: nn.Module, mode: str, folder: Path, compiled: Callable[..., Any]) -> None:
-        from taehv_slurm.trainer.layers import FAST_PATHS
-
         self.module, self.folder, self.compiled = module, folder, compiled
         self.options = torch._inductor.list_mode_options(mode)
         self.device = next(module.parameters()).device
-        self.fixed = repr([code_digest(), torch.__version__, str(torch.version.cuda), mode,
-                           sorted(FAST_PATHS.items()), module_signature(module),
+        paths = sorted((k, v) for k, v in FAST_PATHS.items() if k != "compile_aside")  # where, not what
+        self.fixed = repr([code_digest(), torch.__version__, str(torch.version.cuda), mode, paths,
+                           module_signature(module),
                            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"])
         self.by_shape: dict[str, Callable[..., Any] | None] = {}
-        self.outcomes: dict[str, str] = {}  # per input shape: "loaded", "saved" or "torch.compile"
+        # per input shape: "loaded", "saved", "compiled aside", "torch.compile", or ASIDE while it runs eager
+        self.outcomes: dict[str, str] = {}
         self.proven: set[str] = set()  # the shapes whose function has run once
+        self.aside: dict[str, Aside] = {}  # the shapes another process is compiling
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         key = self.key(inputs)
-        if key not in self.by_shape:
-            loaded = self.load(key)
-            if loaded:
-                self.settle(key, loaded, "loaded")
-            else:
-                self.settle(key, self.compile(key, inputs), "saved")
+        if key not in self.by_shape and not self.ready(key, inputs):
+            return self.module(*inputs)  # eager while another process compiles this shape
         fn = self.by_shape[key]
         if fn is None:
             return self.compiled(*inputs)
@@ -87,13 +95,42 @@ class PrecompiledForward:
         except Exception as err:  # noqa: BLE001 (its first run: a saved guard that fails, anything torch does)
             path = self.folder / f"{key}.bin"
             path.unlink(missing_ok=True)  # never loaded again
-            loaded = self.outcomes[key] == "loaded"
+            again = self.outcomes[key] in ("loaded", "compiled aside")  # compiled by another process
             log.warning("the compiled student %s failed its first run (%s); %s", path, one_line(err),
-                        "compiling it again" if loaded else "torch.compile runs this shape")
-            self.settle(key, self.compile(key, inputs) if loaded else None, "saved")
+                        "compiling it again" if again else "torch.compile runs this shape")
+            self.settle(key, self.compile(key, inputs) if again else None, "saved")
             return self(*inputs)
         self.proven.add(key)
         return out
+
+    def ready(self, key: str, inputs: tuple[torch.Tensor, ...]) -> bool:
+        """Settle the shape `key` if its function can be had now; False while it is compiled aside."""
+        path = self.folder / f"{key}.bin"
+        aside = self.aside.get(key)
+        if aside is None:  # the first call of this shape
+            if loaded := self.load(key):
+                self.settle(key, loaded, "loaded")
+                return True
+            if FAST_PATHS["compile_aside"] and (aside := Aside.start(self, key, inputs)) is not None:
+                self.aside[key] = aside
+                self.outcomes[key] = ASIDE
+                return False
+            self.settle(key, self.compile(key, inputs), "saved")
+            return True
+        if not aside.due():
+            return False
+        if path.is_file():  # written whole (renamed into place) by that process or by another rank's
+            if loaded := self.load(key):
+                del self.aside[key]
+                self.settle(key, loaded, "compiled aside")
+                return True
+        elif aside.running():
+            return False
+        del self.aside[key]
+        aside.job.unlink(missing_ok=True)  # if it ended before reading it
+        log.warning("the student was not compiled aside (log: %s); compiling it in this process", aside.log)
+        self.settle(key, self.compile(key, inputs), "saved")
+        return True
 
     def settle(self, key: str, fn: Callable[..., Any] | None, outcome: str) -> None:
         """What runs the shape `key` from now on: `fn` (`outcome`: loaded or saved), or torch.compile."""
@@ -120,33 +157,38 @@ class PrecompiledForward:
             return None
 
     def compile(self, key: str, inputs: tuple[torch.Tensor, ...]) -> Callable[..., Any] | None:
-        # torch cannot save a parameter's .grad with the guards (the engine's gradient windows): None while
-        # tracing, put back after; the compiled graph never reads them.
-        grads = [(p, p.grad) for p in self.module.parameters()]
-        try:
-            for p, _ in grads:
-                p.grad = None
-            with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.11: off by default
-                fn = torch.compile(self.module.forward, fullgraph=True, dynamic=False,
-                                   options={**self.options, "guard_filter_fn": saved_guards}
-                                   ).aot_compile((inputs, {}))
-        except Exception as err:  # noqa: BLE001 (an older torch, a graph it cannot save: as before)
-            log.warning("the student could not be precompiled (%s); torch.compile traces it at every start",
-                        one_line(err))
-            return None
-        finally:
-            for p, g in grads:
-                p.grad = g
-        path = self.folder / f"{key}.bin"
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fn.save_compiled_function(str(tmp))
-            os.replace(tmp, path)
-        except Exception as err:  # noqa: BLE001 (a full or read-only cache: this process still runs it)
-            log.warning("the compiled student was not saved to %s (%s)", path, err)
-            tmp.unlink(missing_ok=True)
-        return fn
+        return compile_and_save(self.module, self.options, self.folder / f"{key}.bin", inputs)
+
+
+def compile_and_save(module: nn.Module, options: dict[str, Any], path: Path,
+                     inputs: tuple[torch.Tensor, ...]) -> Callable[..., Any] | None:
+    """`module`'s forward compiled for `inputs` (torch's AOT compile) and saved to `path`; None if torch
+    could not compile it so (the caller runs torch.compile)."""
+    # torch cannot save a parameter's .grad with the guards (the engine's gradient windows): None while
+    # tracing, put back after; the compiled graph never reads them.
+    grads = [(p, p.grad) for p in module.parameters()]
+    try:
+        for p, _ in grads:
+            p.grad = None
+        with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.11: off by default
+            fn = torch.compile(module.forward, fullgraph=True, dynamic=False,
+                               options={**options, "guard_filter_fn": saved_guards}).aot_compile((inputs, {}))
+    except Exception as err:  # noqa: BLE001 (an older torch, a graph it cannot save: as before)
+        log.warning("the student could not be precompiled (%s); torch.compile traces it at every start",
+                    one_line(err))
+        return None
+    finally:
+        for p, g in grads:
+            p.grad = g
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fn.save_compiled_function(str(tmp))
+        os.replace(tmp, path)
+    except Exception as err:  # noqa: BLE001 (a full or read-only cache: this process still runs it)
+        log.warning("the compiled student was not saved to %s (%s)", path, err)
+        tmp.unlink(missing_ok=True)
+    return fn
 
 
 def saved_guards(entries: list[Any]) -> list[bool]:
@@ -158,8 +200,93 @@ def saved_guards(entries: list[Any]) -> list[bool]:
     return [not e.is_global and e.guard_type not in unsupported for e in entries]
 
 
+ASIDE = "eager, compiling aside"
+
+
+class Aside:
+    """One shape compiled by another process (`main`): the module (pickled, its weights with it) and the
+    inputs' shapes, dtypes and strides go over in a file; the process saves the compiled function where
+    `PrecompiledForward.load` finds it, removes its log and exits. It ends itself if this process ends
+    first."""
+
+    POLL_S = 1.0  # how often a micro-batch looks for the file
+
+    def __init__(self, proc: subprocess.Popen, job: Path, log: Path) -> None:
+        self.proc, self.job, self.log, self.checked = proc, job, log, time.monotonic()
+
+    @classmethod
+    def start(cls, owner: PrecompiledForward, key: str, inputs: tuple[Any, ...]) -> Aside | None:
+        job = owner.folder / f".{key}.aside-{os.getpid()}.pt"
+        log_path = owner.folder / f"{key}.aside-{os.getpid()}.log"
+        device = owner.device
+        spec = [("tensor", tuple(x.shape), x.stride(), x.dtype) if torch.is_tensor(x) else ("value", x)
+                for x in inputs]
+        autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
+        try:
+            owner.folder.mkdir(parents=True, exist_ok=True)
+            torch.save({"module": owner.module, "inputs": spec, "options": owner.options,
+                        "device": str(device), "fast_paths": dict(FAST_PATHS), "autocast": autocast,
+                        "path": str(owner.folder / f"{key}.bin"), "log": str(log_path),
+                        "parent": os.getpid()}, job)
+            with open(log_path, "w") as out:
+                proc = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        except Exception as err:  # noqa: BLE001 (a full or read-only cache, no fork: compile here instead)
+            log.warning("the student could not be compiled aside (%s); compiling it in this process",
+                        one_line(err))
+            job.unlink(missing_ok=True)
+            return None
+        log.info("the student trains eager while process %d compiles it (log: %s)", proc.pid, log_path)
+        return cls(proc, job, log_path)
+
+    def due(self) -> bool:
+        """Whether to look again: once a second, not at every micro-batch (a shared filesystem's stat)."""
+        now = time.monotonic()
+        if now - self.checked < self.POLL_S:
+            return False
+        self.checked = now
+        return True
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+
+def main(job_path: str) -> None:
+    """Compile the shape `Aside.start` described and save it (its own process)."""
+    job = torch.load(job_path, weights_only=False)  # the module's tensors on the rank's device, as there
+    Path(job_path).unlink()
+    parent = job["parent"]
+
+    def end_with_parent() -> None:  # a rank that ends (done, killed) takes its compile with it
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=end_with_parent, daemon=True).start()
+    from taehv_slurm.trainer.speed import use_compile_cache
+
+    FAST_PATHS.update(job["fast_paths"])
+    use_compile_cache(None)  # the folder is in the environment already; this marks what its caches may keep
+    device = torch.device(job["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    inputs = tuple(torch.empty_strided(item[1], item[2], dtype=item[3], device=device) if item[0] == "tensor"
+                   else item[1] for item in job["inputs"])
+    enabled, dtype = job["autocast"]
+    path = Path(job["path"])
+    with torch.autocast(device.type, dtype=dtype, enabled=enabled):
+        fn = compile_and_save(job["module"], job["options"], path, inputs)
+    if fn is None or not path.is_file():
+        sys.exit(1)  # its log stays: the rank names it
+    Path(job["log"]).unlink(missing_ok=True)
+
+
 def precompiled_folder() -> Path:
     """Where the files go: beside Inductor's own caches (use_compile_cache has pointed them at the job's)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / SUBFOLDER
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

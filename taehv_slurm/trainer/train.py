@@ -205,6 +205,7 @@ class Trainer:
             log.warning("nothing to train: the checkpoint is at step %d and steps is %d; "
                         "submit with a higher --set steps=N to train on", step, cfg.steps)
         last: dict[str, Any] = {}
+        compiled: list[str] = []  # how the student ran so far (precompile.py): logged where it changes
         while step < cfg.steps:
             clock = StepClock(self.device) if self.timed else None
             with clock.collective() if clock is not None else contextlib.nullcontext():  # the stop agreement
@@ -214,8 +215,10 @@ class Trainer:
             window.add(result, clock)
             decision = self.guard.observe(step, result.skipped)
             step += 1
-            if step == self.resumed_at + 1 and self.main and (how := self.engine.compiled_outcomes()):
-                log.info("the compiled student: %s", ", ".join(how))  # the first step's shapes
+            # at the first step, and at the step where a shape compiled aside takes over from eager
+            if self.main and (how := self.engine.compiled_outcomes()) != compiled:
+                compiled = how
+                log.info("the compiled student at step %d: %s", step, ", ".join(how))
                 self.ctx.events.write("compiled", segment=self.ctx.segment, step=step, student=how)
             last = self.after_step(step, window, lr) or last
             if step == cfg.steps and decision is None:
