@@ -297,10 +297,11 @@ def start_figures(run_dir: Path, metrics: list[dict[str, Any]]) -> dict[str, Any
         return None if pd.isna(first.get(column)) else float(first[column])
 
     mfus = [r["mfu"] for r in metrics if r.get("mfu") is not None]
-    began = next((e["time"] for e in events if e["event"] == "start"), None)
-    # precompile.py: how the student ran from each step on (loaded, saved, eager while compiled aside, ...)
+    began = next((e.get("began") for e in events if e["event"] == "start"), None)  # the rank's process
+    # precompile.py: how the student ran from each step on (loaded, saved, eager while compiled aside, ...),
+    # and when: seconds from the rank's process start, as first_step_s
     compiled = [{"step": e["step"], "student": e["student"],
-                 "after_start_s": None if began is None else round(e["time"] - began, 1)}
+                 "at_s": None if began is None else round(e["time"] - began, 1)}
                 for e in events if e["event"] == "compiled"]
     return {"first_step_s": known("time_to_first_step_s"), "start_up_s": known("start_up_s"),
             "mfu": mfus[-1] if mfus else None, "compiled": compiled or None}
@@ -340,7 +341,7 @@ def print_table(info: dict[str, Any], cpus: int, rows: list[dict[str, Any]]) -> 
         print(f"{r['source']:>9} {r['grad_accum']:>5} {r['loader_workers']:>7} {r['clips_per_s']:>11.1f} "
               f"{isolated} {100 * r['data_wait']:>8.0f}% {r['peak_gib']:>8.1f}  "
               f"first step {r['first_step_s']} s (start-up {r['start_up_s']} s)"
-              + "".join(f"; from step {c['step']} ({c['after_start_s']} s) the student "
+              + "".join(f"; from step {c['step']} (at {c['at_s']} s) the student "
                         f"{'/'.join(c['student'])}" for c in r.get("compiled") or []))
 
 

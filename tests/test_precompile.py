@@ -26,6 +26,7 @@ from taehv_slurm.trainer.engine import Microbatch, make_engine
 from taehv_slurm.trainer.losses import DistillModule
 from tests.tiny_student import TinyStudent
 
+torch.set_num_threads(2)  # as a rank sets it (runtime.torch_threads), not as OMP_NUM_THREADS=1 of the tests
 torch.manual_seed(0)
 module = DistillModule(TinyStudent(), reconstruction_weight=float(sys.argv[1]))
 engine = make_engine("allreduce", module, torch.device("cpu"), precision="fp32", grad_clip=1.0, lr=1e-3,

@@ -227,7 +227,7 @@ class Aside:
             torch.save({"module": owner.module, "inputs": spec, "options": owner.options,
                         "device": str(device), "fast_paths": dict(FAST_PATHS), "autocast": autocast,
                         "path": str(owner.folder / f"{key}.bin"), "log": str(log_path),
-                        "parent": os.getpid()}, job)
+                        "state": global_state(), "parent": os.getpid()}, job)
             with open(log_path, "w") as out:
                 proc = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -251,6 +251,28 @@ class Aside:
         return self.proc.poll() is None
 
 
+def global_state() -> dict[str, Any]:
+    """What Dynamo's guard on global state checks besides the grad and autocast modes: a function compiled
+    under another state (another torch.set_num_threads, as a rank sets it) fails that guard at its first
+    run."""
+    matmul = torch.backends.cuda.matmul
+    return {"num_threads": torch.get_num_threads(), "default_dtype": torch.get_default_dtype(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "fp16_reduce": matmul.allow_fp16_reduced_precision_reduction,
+            "bf16_reduce": matmul.allow_bf16_reduced_precision_reduction}
+
+
+def set_global_state(state: dict[str, Any]) -> None:
+    torch.set_num_threads(state["num_threads"])
+    torch.set_default_dtype(state["default_dtype"])
+    torch.use_deterministic_algorithms(state["deterministic"], warn_only=state["warn_only"])
+    torch.set_float32_matmul_precision(state["float32_matmul_precision"])
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = state["fp16_reduce"]
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = state["bf16_reduce"]
+
+
 def main(job_path: str) -> None:
     """Compile the shape `Aside.start` described and save it (its own process)."""
     job = torch.load(job_path, weights_only=False)  # the module's tensors on the rank's device, as there
@@ -266,6 +288,7 @@ def main(job_path: str) -> None:
     from taehv_slurm.trainer.speed import use_compile_cache
 
     FAST_PATHS.update(job["fast_paths"])
+    set_global_state(job["state"])
     use_compile_cache(None)  # the folder is in the environment already; this marks what its caches may keep
     device = torch.device(job["device"])
     if device.type == "cuda":
