@@ -1,7 +1,8 @@
 """The compiled student saved whole and loaded by later starts (taehv_slurm/trainer/precompile.py): a later
 process runs it without tracing and trains exactly as the first did; a changed module or a damaged file is
 compiled again, never run stale. A cold start trains eager while another process compiles the student, then
-runs what that process saved: the same program as one compiled in the rank.
+runs what that process saved: the same program as one compiled in the rank. Signals reach that process as
+Slurm sends them: the requeue signals leave it compiling, a SIGTERM ends it, and so does its rank's end.
 
 Each start is its own process on one compile cache, as ranks and requeues are: the all-reduce engine with
 torch.compile on the CPU (Inductor's C++), a small student (tests/tiny_student.py: its C++ compiles in
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.helpers import REPO
@@ -39,7 +42,7 @@ step = engine.train_step(micro, 1e-3)
 result = {"loss": step.means()["loss"], "grad": engine.flat_grad[:-1].tolist(),
           "outcomes": engine.compiled_outcomes()}
 steps, began = [result["outcomes"]], time.monotonic()  # then, with argv[2], on until nothing runs eager
-while len(sys.argv) > 2 and any(o.startswith("eager") for o in steps[-1]) and time.monotonic() - began < 240:
+while len(sys.argv) > 2 and "eager, compiling aside" in steps[-1] and time.monotonic() - began < 240:
     time.sleep(0.2)
     engine.train_step(micro, 1e-3)
     steps.append(engine.compiled_outcomes())
@@ -137,3 +140,66 @@ def test_a_compile_aside_that_fails_leaves_its_log_and_the_rank_compiles_it(tmp_
     assert run.stderr.count("was not compiled aside") == 2
     logs = sorted((tmp_path / "c" / "precompiled").glob("*.log"))
     assert len(logs) == 2 and all("No module named 'tests'" in p.read_text() for p in logs)  # its error, kept
+
+
+def compiling_aside(cache: Path) -> list[int]:
+    """The processes compiling the student for a start on `cache` (their job files are in it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # not a process, or one that ended
+            continue
+        if b"taehv_slurm.trainer.precompile" in cmdline and any(str(cache).encode() in a for a in cmdline):
+            found.append(int(proc.name))
+    return found
+
+
+def start_compiling_aside(cache: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A start on `cache` that compiles aside, once both its compiling processes run."""
+    run = subprocess.Popen([sys.executable, "-c", START, "20.0", "on"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=REPO,
+                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO),
+                                "TAEHV_FAST_PATHS_OFF": ""})
+    deadline = time.monotonic() + 60
+    while len(pids := compiling_aside(cache)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if len(pids) < 2:
+        run.kill()
+        raise AssertionError("no process compiled the student aside")
+    return run, pids
+
+
+def test_a_signal_to_the_compile_aside_is_the_ranks_to_act_on(tmp_path: Path) -> None:
+    # Slurm signals every process of a job step. The requeue signals are the rank's: the compile goes on.
+    # A SIGTERM (preemption, the time limit) ends it, and the rank trains on eager rather than compiling
+    # in the time it has left to save.
+    cache = tmp_path / "cache"
+    run, pids = start_compiling_aside(cache)
+    try:
+        for pid in pids:  # at once: blocked from their first instruction
+            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, signal.SIGUSR2)
+        time.sleep(1.0)
+        assert sorted(compiling_aside(cache)) == sorted(pids)  # still compiling
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        out, err = run.communicate(timeout=120)
+    finally:
+        run.kill()
+    assert run.returncode == 0, err[-3000:]
+    steps = json.loads(out.strip().splitlines()[-1])["steps"]
+    assert steps[0] == ["eager, compiling aside"] * 2 and steps[-1] == ["eager", "eager"]
+    assert err.count("the compile aside was stopped (signal 15)") == 2
+    assert "compiling it in this process" not in err
+    assert compiling_aside(cache) == [] and not list((cache / "precompiled").glob("*.bin"))
+
+    # A rank that ends at once (SIGKILL: a node's processes killed) takes its compiles with it.
+    cache = tmp_path / "killed"
+    run, pids = start_compiling_aside(cache)
+    run.kill()
+    run.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while compiling_aside(cache) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert compiling_aside(cache) == []

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -76,7 +77,8 @@ class PrecompiledForward:
                            module_signature(module),
                            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"])
         self.by_shape: dict[str, Callable[..., Any] | None] = {}
-        # per input shape: "loaded", "saved", "compiled aside", "torch.compile", or ASIDE while it runs eager
+        # per input shape: "loaded", "saved", "compiled aside", "torch.compile", "eager" (its compile aside
+        # stopped by a signal), or ASIDE while it runs eager
         self.outcomes: dict[str, str] = {}
         self.proven: set[str] = set()  # the shapes whose function has run once
         self.aside: dict[str, Aside] = {}  # the shapes another process is compiling
@@ -128,6 +130,11 @@ class PrecompiledForward:
             return False
         del self.aside[key]
         aside.job.unlink(missing_ok=True)  # if it ended before reading it
+        if aside.proc.returncode < 0:  # stopped by a signal (the job's end, a cancel): no compile here now
+            log.warning("the compile aside was stopped (signal %d); the student runs eager in this process",
+                        -aside.proc.returncode)
+            self.settle(key, eager, "eager")
+            return True
         log.warning("the student was not compiled aside (log: %s); compiling it in this process", aside.log)
         self.settle(key, self.compile(key, inputs), "saved")
         return True
@@ -203,6 +210,10 @@ def saved_guards(entries: list[Any]) -> list[bool]:
 ASIDE = "eager, compiling aside"
 
 
+def eager(module: nn.Module, *inputs: Any) -> Any:
+    return module(*inputs)
+
+
 class Aside:
     """One shape compiled by another process (`main`): the module (pickled, its weights with it) and the
     inputs' shapes, dtypes and strides go over in a file; the process saves the compiled function where
@@ -228,9 +239,16 @@ class Aside:
                         "device": str(device), "fast_paths": dict(FAST_PATHS), "autocast": autocast,
                         "path": str(owner.folder / f"{key}.bin"), "log": str(log_path),
                         "state": global_state(), "parent": os.getpid()}, job)
-            with open(log_path, "w") as out:
-                proc = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            # Slurm signals every process of a step: the requeue signals are the rank's to act on (save,
+            # requeue), so the process starts with them blocked (a signal mask outlives exec), from its
+            # first instruction on. A SIGTERM (preemption, the time limit) ends it.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+            try:
+                with open(log_path, "w") as out:
+                    proc = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         except Exception as err:  # noqa: BLE001 (a full or read-only cache, no fork: compile here instead)
             log.warning("the student could not be compiled aside (%s); compiling it in this process",
                         one_line(err))
