@@ -77,11 +77,12 @@ class PrecompiledForward:
                            module_signature(module),
                            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"])
         self.by_shape: dict[str, Callable[..., Any] | None] = {}
-        # per input shape: "loaded", "saved", "compiled aside", "torch.compile", "eager" (its compile aside
-        # stopped by a signal), or ASIDE while it runs eager
+        # per input shape: "loaded", "saved", "compiled aside", "torch.compile", or while it runs eager,
+        # ASIDE or "eager" (its compile aside ended by a SIGTERM)
         self.outcomes: dict[str, str] = {}
         self.proven: set[str] = set()  # the shapes whose function has run once
         self.aside: dict[str, Aside] = {}  # the shapes another process is compiling
+        self.stopped: dict[str, float] = {}  # shapes whose compile aside a SIGTERM ended: eager until then
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         key = self.key(inputs)
@@ -109,7 +110,9 @@ class PrecompiledForward:
         """Settle the shape `key` if its function can be had now; False while it is compiled aside."""
         path = self.folder / f"{key}.bin"
         aside = self.aside.get(key)
-        if aside is None:  # the first call of this shape
+        if aside is None:  # the first call of this shape, or the first after its compile aside was stopped
+            if self.stopped.get(key, 0.0) > time.monotonic():
+                return False
             if loaded := self.load(key):
                 self.settle(key, loaded, "loaded")
                 return True
@@ -130,11 +133,13 @@ class PrecompiledForward:
             return False
         del self.aside[key]
         aside.job.unlink(missing_ok=True)  # if it ended before reading it
-        if aside.proc.returncode < 0:  # stopped by a signal (the job's end, a cancel): no compile here now
-            log.warning("the compile aside was stopped (signal %d); the student runs eager in this process",
-                        -aside.proc.returncode)
-            self.settle(key, eager, "eager")
-            return True
+        if -aside.proc.returncode in (signal.SIGTERM, signal.SIGINT):  # the job's end, most likely: no
+            # compile here in the time left to save; one aside again later if this process goes on
+            log.warning("the compile aside was stopped (signal %d); the student runs eager, compiled aside "
+                        "again in %.0f s if this process goes on", -aside.proc.returncode, Aside.RETRY_S)
+            self.stopped[key] = time.monotonic() + Aside.RETRY_S
+            self.outcomes[key] = "eager"
+            return False
         log.warning("the student was not compiled aside (log: %s); compiling it in this process", aside.log)
         self.settle(key, self.compile(key, inputs), "saved")
         return True
@@ -210,10 +215,6 @@ def saved_guards(entries: list[Any]) -> list[bool]:
 ASIDE = "eager, compiling aside"
 
 
-def eager(module: nn.Module, *inputs: Any) -> Any:
-    return module(*inputs)
-
-
 class Aside:
     """One shape compiled by another process (`main`): the module (pickled, its weights with it) and the
     inputs' shapes, dtypes and strides go over in a file; the process saves the compiled function where
@@ -221,6 +222,7 @@ class Aside:
     first."""
 
     POLL_S = 1.0  # how often a micro-batch looks for the file
+    RETRY_S = 60.0  # after a SIGTERM ended it, if the rank goes on (it was not the job's end)
 
     def __init__(self, proc: subprocess.Popen, job: Path, log: Path) -> None:
         self.proc, self.job, self.log, self.checked = proc, job, log, time.monotonic()
@@ -243,10 +245,12 @@ class Aside:
             # requeue), so the process starts with them blocked (a signal mask outlives exec), from its
             # first instruction on. A SIGTERM (preemption, the time limit) ends it.
             blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
+            path = os.pathsep.join(filter(None, sys.path))  # this process's: the module's classes are there
             try:
                 with open(log_path, "w") as out:
                     proc = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env={**os.environ, "PYTHONPATH": path})
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         except Exception as err:  # noqa: BLE001 (a full or read-only cache, no fork: compile here instead)
