@@ -125,9 +125,9 @@ class Engine:
         raise NotImplementedError
 
     def compiled_outcomes(self) -> list[str]:
-        """How this process got each input shape's compiled student so far: "loaded", "saved", "compiled
-        aside", "torch.compile", or "eager, compiling aside" (precompile.py); empty where the student is not
-        precompiled."""
+        """How this process runs each input shape's student so far: "loaded", "saved", "compiled aside",
+        "torch.compile", or eager ("eager, compiling aside"; "eager" after a SIGTERM ended that compile)
+        (precompile.py); empty where the student is not precompiled."""
         forward = getattr(self, "forward", None)
         return sorted(forward.outcomes.values()) if isinstance(forward, PrecompiledForward) else []
 
