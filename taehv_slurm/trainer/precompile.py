@@ -133,10 +133,11 @@ class PrecompiledForward:
             return False
         del self.aside[key]
         aside.job.unlink(missing_ok=True)  # if it ended before reading it
-        if -aside.proc.returncode in (signal.SIGTERM, signal.SIGINT):  # the job's end, most likely: no
+        ended = aside.proc.poll()  # None: it runs on, but its file did not load
+        if ended is not None and -ended in (signal.SIGTERM, signal.SIGINT):  # the job's end, most likely: no
             # compile here in the time left to save; one aside again later if this process goes on
             log.warning("the compile aside was stopped (signal %d); the student runs eager, compiled aside "
-                        "again in %.0f s if this process goes on", -aside.proc.returncode, Aside.RETRY_S)
+                        "again in %.0f s if this process goes on", -ended, Aside.RETRY_S)
             self.stopped[key] = time.monotonic() + Aside.RETRY_S
             self.outcomes[key] = "eager"
             return False
