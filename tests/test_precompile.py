@@ -172,7 +172,7 @@ def test_a_signal_to_the_compile_aside_is_the_ranks_to_act_on(tmp_path: Path) ->
     # Slurm signals every process of a job step. The requeue signals are the rank's: the compile goes on.
     # A SIGTERM (preemption, the time limit) ends it, and the rank trains on eager rather than compiling
     # in the time it has left to save; if the rank goes on (the SIGTERM was not for it), it compiles aside
-    # again later.
+    # again later. A rank that ends at once (SIGKILL: a node's processes killed) takes its compiles along.
     cache = tmp_path / "cache"
     run, pids = start_compiling_aside(cache)
     try:
@@ -183,22 +183,15 @@ def test_a_signal_to_the_compile_aside_is_the_ranks_to_act_on(tmp_path: Path) ->
         assert sorted(compiling_aside(cache)) == sorted(pids)  # still compiling
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
-        out, err = run.communicate(timeout=300)
+        deadline = time.monotonic() + 60
+        while len(again := set(compiling_aside(cache)) - set(pids)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(again) == 2  # compiling aside again, a retry's wait (1 s here) after
     finally:
         run.kill()
-    assert run.returncode == 0, err[-3000:]
-    steps = json.loads(out.strip().splitlines()[-1])["steps"]
-    assert steps[0] == ["eager, compiling aside"] * 2 and ["eager", "eager"] in steps
-    assert steps[-1] == ["compiled aside"] * 2
+    _, err = run.communicate(timeout=30)
     assert err.count("the compile aside was stopped (signal 15)") == 2
-    assert "compiling it in this process" not in err
-    assert compiling_aside(cache) == [] and len(list((cache / "precompiled").glob("*.bin"))) == 2
-
-    # A rank that ends at once (SIGKILL: a node's processes killed) takes its compiles with it.
-    cache = tmp_path / "killed"
-    run, pids = start_compiling_aside(cache)
-    run.kill()
-    run.communicate(timeout=30)
+    assert "compiling it in this process" not in err and "Traceback" not in err
     deadline = time.monotonic() + 10
     while compiling_aside(cache) and time.monotonic() < deadline:
         time.sleep(0.1)
