@@ -96,7 +96,7 @@ class PrecompiledForward:
         try:
             out = fn(self.module, *inputs)
         except Exception as err:  # noqa: BLE001 (its first run: a saved guard that fails, anything torch does)
-            path = self.folder / f"{key}.bin"
+            path = self.file(key)
             path.unlink(missing_ok=True)  # never loaded again
             again = self.outcomes[key] in ("loaded", "compiled aside")  # compiled by another process
             log.warning("the compiled student %s failed its first run (%s); %s", path, one_line(err),
@@ -108,7 +108,6 @@ class PrecompiledForward:
 
     def ready(self, key: str, inputs: tuple[torch.Tensor, ...]) -> bool:
         """Settle the shape `key` if its function can be had now; False while it is compiled aside."""
-        path = self.folder / f"{key}.bin"
         aside = self.aside.get(key)
         if aside is None:  # the first call of this shape, or the first after its compile aside was stopped
             if self.stopped.get(key, 0.0) > time.monotonic():
@@ -124,7 +123,7 @@ class PrecompiledForward:
             return True
         if not aside.due():
             return False
-        if path.is_file():  # written whole (renamed into place) by that process or by another rank's
+        if self.file(key).is_file():  # renamed into place whole, by that process or another rank's
             if loaded := self.load(key):
                 del self.aside[key]
                 self.settle(key, loaded, "compiled aside")
@@ -153,12 +152,15 @@ class PrecompiledForward:
     def key(self, inputs: tuple[torch.Tensor, ...]) -> str:
         shapes = [(tuple(t.shape), str(t.dtype), t.stride(), str(t.device)) if torch.is_tensor(t) else repr(t)
                   for t in inputs]
-        autocast = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type))
-        described = repr([self.fixed, self.module.training, shapes, autocast])  # the rest fixed at build
+        # the rest fixed at build
+        described = repr([self.fixed, self.module.training, shapes, autocast_state(self.device)])
         return hashlib.sha256(described.encode()).hexdigest()[:32]
 
+    def file(self, key: str) -> Path:
+        return self.folder / f"{key}.bin"
+
     def load(self, key: str) -> Callable[..., Any] | None:
-        path = self.folder / f"{key}.bin"
+        path = self.file(key)
         if not path.is_file():
             return None
         try:
@@ -170,7 +172,7 @@ class PrecompiledForward:
             return None
 
     def compile(self, key: str, inputs: tuple[torch.Tensor, ...]) -> Callable[..., Any] | None:
-        return compile_and_save(self.module, self.options, self.folder / f"{key}.bin", inputs)
+        return compile_and_save(self.module, self.options, self.file(key), inputs)
 
 
 def compile_and_save(module: nn.Module, options: dict[str, Any], path: Path,
@@ -235,13 +237,12 @@ class Aside:
         device = owner.device
         spec = [("tensor", tuple(x.shape), x.stride(), x.dtype) if torch.is_tensor(x) else ("value", x)
                 for x in inputs]
-        autocast = (torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
         try:
             owner.folder.mkdir(parents=True, exist_ok=True)
             torch.save({"module": owner.module, "inputs": spec, "options": owner.options,
-                        "device": str(device), "fast_paths": dict(FAST_PATHS), "autocast": autocast,
-                        "path": str(owner.folder / f"{key}.bin"), "log": str(log_path),
-                        "state": global_state(), "parent": os.getpid()}, job)
+                        "device": str(device), "autocast": autocast_state(device), "state": global_state(),
+                        "fast_paths": dict(FAST_PATHS), "path": str(owner.file(key)), "log": str(log_path),
+                        "parent": os.getpid()}, job)
             # Slurm signals every process of a step: the requeue signals are the rank's to act on (save,
             # requeue), so the process starts with them blocked (a signal mask outlives exec), from its
             # first instruction on. A SIGTERM (preemption, the time limit) ends it.
@@ -272,6 +273,11 @@ class Aside:
 
     def running(self) -> bool:
         return self.proc.poll() is None
+
+
+def autocast_state(device: torch.device) -> tuple[bool, torch.dtype]:
+    """The autocast mode a compiled function is made for (part of its file's name)."""
+    return torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type)
 
 
 def global_state() -> dict[str, Any]:
