@@ -62,17 +62,28 @@ def start(cache: Path, weight: float = 20.0, until_compiled: bool = False, scrip
     return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
 
-def test_a_later_start_loads_the_compiled_student_and_a_changed_one_is_compiled_again(tmp_path: Path) -> None:
+def test_a_cold_start_trains_eager_while_another_process_compiles_the_student_and_later_starts_load_it(
+        tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    first, _ = start(cache)
-    assert first["outcomes"] == ["saved", "saved"] and first["traced"] == 2  # one per micro-batch shape
+    aside, _ = start(cache, until_compiled=True, TAEHV_FAST_PATHS_OFF="")
+    steps = aside["steps"]
+    assert steps[0] == ["eager, compiling aside"] * 2  # the first step did not wait for the compile
+    assert steps[-1] == ["compiled aside"] * 2, steps[-1]  # then each shape ran what the other process saved
+    assert aside["traced"] == 0  # nothing compiled in the training process
     files = sorted((cache / "precompiled").glob("*.bin"))
-    assert len(files) == 2
+    assert len(files) == 2  # one per micro-batch shape
+    assert [p.name for p in (cache / "precompiled").iterdir() if p.suffix != ".bin"] == []  # no job, no log
 
-    again, _ = start(cache)
-    assert again["outcomes"] == ["loaded", "loaded"]
-    assert again["traced"] == 0  # nothing traced: the point of it
-    assert again["loss"] == first["loss"] and again["grad"] == first["grad"]
+    # A later start loads the files and traces nothing: the point of it.
+    first, _ = start(cache)
+    assert first["outcomes"] == ["loaded", "loaded"] and first["traced"] == 0
+    # What the other process saved is the program this one would have compiled: the step of a rank that
+    # compiled the student itself (on its own cache), bit for bit.
+    here, _ = start(tmp_path / "here")
+    assert here["outcomes"] == ["saved", "saved"] and here["traced"] == 2
+    assert first["loss"] == here["loss"] and first["grad"] == here["grad"]
+    # the eager step is the same step, to the roundings of another order
+    assert abs(aside["loss"] - first["loss"]) <= 1e-6 * abs(first["loss"])
 
     # torch.compile's own path (the fast path off) gives the same step: the saved one is the same program
     plain, _ = start(cache, TAEHV_FAST_PATHS_OFF="precompile,compile_aside")
@@ -102,27 +113,6 @@ def test_a_later_start_loads_the_compiled_student_and_a_changed_one_is_compiled_
     assert reweighted["outcomes"] == ["saved", "saved"]
     assert len(list((cache / "precompiled").glob("*.bin"))) == 4
     assert reweighted["loss"] != first["loss"]
-
-
-def test_a_cold_start_trains_eager_while_another_process_compiles_the_student(tmp_path: Path) -> None:
-    aside, _ = start(tmp_path / "aside", until_compiled=True, TAEHV_FAST_PATHS_OFF="")
-    steps = aside["steps"]
-    assert steps[0] == ["eager, compiling aside"] * 2  # the first step did not wait for the compile
-    assert steps[-1] == ["compiled aside"] * 2, steps[-1]  # then each shape ran what the other process saved
-    assert aside["traced"] == 0  # nothing compiled in the training process
-    folder = tmp_path / "aside" / "precompiled"
-    assert len(list(folder.glob("*.bin"))) == 2
-    assert [p.name for p in folder.iterdir() if not p.name.endswith(".bin")] == []  # no job, no log left
-
-    # What the other process saved is the program this one would have compiled: a later start loads it,
-    # and its step is the step of a rank that compiled the student itself (its own cache).
-    loaded, _ = start(tmp_path / "aside")
-    assert loaded["outcomes"] == ["loaded", "loaded"] and loaded["traced"] == 0
-    compiled_here, _ = start(tmp_path / "here")
-    assert compiled_here["outcomes"] == ["saved", "saved"]
-    assert loaded["loss"] == compiled_here["loss"] and loaded["grad"] == compiled_here["grad"]
-    # the eager step is the same step, to the roundings of another order
-    assert abs(aside["loss"] - compiled_here["loss"]) <= 1e-6 * abs(compiled_here["loss"])
 
 
 def test_a_compile_aside_that_fails_leaves_its_log_and_the_rank_compiles_it(tmp_path: Path) -> None:
