@@ -33,7 +33,8 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
 # the rest keep their order. Set by `--durations` of whole runs (docs/contributing.md).
 LONGEST_FIRST = ("test_requeue.py", "test_any_world_size.py", "test_requeue_outcomes.py", "test_restarts.py",
                  "test_precompile.py", "test_hangs.py", "test_bench_smoke.py", "test_failures.py",
-                 "test_stragglers.py", "test_status_scale.py")  # the last: 2 minutes of following a sweep that waits, no CPU
+                 "test_stragglers.py",
+                 "test_status_scale.py")  # the last: 2 minutes of following a sweep that waits, no CPU
 
 
 # tests/test_gpu.py checks training runs that go on in the background from the first GPU test of a run

@@ -136,7 +136,7 @@ def compiling_aside(cache: Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:  # not a process, or one that ended
             continue
-        if b"taehv_slurm.trainer.precompile" in cmdline and any(str(cache).encode() in a for a in cmdline):
+        if b"taehv_slurm.trainer.compile_aside" in cmdline and any(str(cache).encode() in a for a in cmdline):
             found.append(int(proc.name))
     return found
 
@@ -179,10 +179,11 @@ def test_a_signal_to_the_compile_aside_is_the_ranks_to_act_on(tmp_path: Path) ->
         assert len(again) == 2  # compiling aside again, a retry's wait (1 s here) after
     finally:
         run.kill()
+    # at once, not once torch is imported in them (seconds, more on a loaded node: a whole test run)
+    deadline = time.monotonic() + 1
+    while compiling_aside(cache) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert compiling_aside(cache) == []
     _, err = run.communicate(timeout=30)
     assert err.count("the compile aside was stopped (signal 15)") == 2
     assert "compiling it in this process" not in err and "Traceback" not in err
-    deadline = time.monotonic() + 10
-    while compiling_aside(cache) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert compiling_aside(cache) == []

@@ -14,7 +14,7 @@ that fails (a torch without the API, a file it cannot read, a first run that fai
 torch.compile for that shape, with one log line; a file that failed is removed.
 
 Where no file has a shape yet (a cold start), the student trains eager while another process compiles it
-(`compile_aside`; `python -m taehv_slurm.trainer.precompile JOB`, the module and the inputs' shapes handed
+(`compile_aside`; `python -m taehv_slurm.trainer.compile_aside JOB`, the module and the inputs' shapes handed
 over in a file), and each micro-batch after the file appears runs it: the first step comes after an eager
 step instead of after the whole compile. If that process fails, this one compiles as before (its log is kept
 beside the files).
@@ -221,8 +221,7 @@ ASIDE = "eager, compiling aside"
 class Aside:
     """One shape compiled by another process (`main`): the module (pickled, its weights with it) and the
     inputs' shapes, dtypes and strides go over in a file; the process saves the compiled function where
-    `PrecompiledForward.load` finds it, removes its log and exits. It ends itself if this process ends
-    first."""
+    `PrecompiledForward.load` finds it, removes its log and exits. It ends when this process ends."""
 
     POLL_S = 1.0  # how often a micro-batch looks for the file
     RETRY_S = 60.0  # after a SIGTERM ended it, if the rank goes on (it was not the job's end)
@@ -249,10 +248,13 @@ class Aside:
             blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1, signal.SIGUSR2})
             path = os.pathsep.join(filter(None, sys.path))  # this process's: the module's classes are there
             try:
+                # from the main thread, bound to this process's life (a parent-death signal is bound to
+                # the thread that started the child)
+                bind = [str(os.getpid())] if threading.current_thread() is threading.main_thread() else []
+                command = [sys.executable, "-m", "taehv_slurm.trainer.compile_aside", str(job), *bind]
                 with open(log_path, "w") as out:
-                    proc = subprocess.Popen([sys.executable, "-m", __name__, str(job)], stdout=out,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env={**os.environ, "PYTHONPATH": path})
+                    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": path})
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         except Exception as err:  # noqa: BLE001 (a full or read-only cache, no fork: compile here instead)
@@ -302,13 +304,13 @@ def set_global_state(state: dict[str, Any]) -> None:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = state["bf16_reduce"]
 
 
-def main(job_path: str) -> None:
-    """Compile the shape `Aside.start` described and save it (its own process)."""
+def compile_job(job_path: str) -> None:
+    """Compile the shape `Aside.start` described and save it (its own process: trainer/compile_aside.py)."""
     job = torch.load(job_path, weights_only=False)  # the module's tensors on the rank's device, as there
     Path(job_path).unlink()
     parent = job["parent"]
 
-    def end_with_parent() -> None:  # a rank that ends (done, killed) takes its compile with it
+    def end_with_parent() -> None:  # a rank that ends takes its compile with it (where prctl did not)
         while os.getppid() == parent:
             time.sleep(1.0)
         os._exit(1)
@@ -339,6 +341,3 @@ def precompiled_folder() -> Path:
 
     return Path(cache_dir()) / SUBFOLDER
 
-
-if __name__ == "__main__":
-    main(sys.argv[1])
