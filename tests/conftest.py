@@ -30,11 +30,11 @@ def _is_xdist_controller(config: pytest.Config) -> bool:
 
 # The modules that take longest (time limits, preemptions, world sizes, hangs: Slurm's clocks and most of
 # the CPU) run first, so the xdist workers end together instead of one finishing the longest module alone;
-# the rest keep their order. Set by `--durations` of whole runs (docs/contributing.md).
+# the rest keep their order. Set by `--durations` of whole runs (docs/contributing.md). The last: 2 minutes
+# of following a sweep that waits, no CPU.
 LONGEST_FIRST = ("test_requeue.py", "test_any_world_size.py", "test_requeue_outcomes.py", "test_restarts.py",
                  "test_precompile.py", "test_hangs.py", "test_bench_smoke.py", "test_failures.py",
-                 "test_stragglers.py",
-                 "test_status_scale.py")  # the last: 2 minutes of following a sweep that waits, no CPU
+                 "test_stragglers.py", "test_status_scale.py")
 
 
 # tests/test_gpu.py checks training runs that go on in the background from the first GPU test of a run

@@ -62,12 +62,12 @@ def test_a_tracker_that_fails_mid_run_never_stops_training_or_its_save(
     run, store = tmp_path / "mid", tmp_path / "mlruns"
     metrics = RunFolder(run).metrics().path
 
-    def remove_the_store_after_step_2() -> None:  # from outside the trainer, as a lost mount would
+    def lose_the_store_after_step_2() -> None:  # from outside the trainer, as a lost mount would
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             threading.Event().wait(0.01)
         store.rename(tmp_path / "lost")  # at once: an rmtree raced the tracker's writes into the folder
 
-    remover = threading.Thread(target=remove_the_store_after_step_2, daemon=True)
+    remover = threading.Thread(target=lose_the_store_after_step_2, daemon=True)
     remover.start()
     result = train_with_mlflow(run, store.as_uri())
     remover.join(timeout=10)

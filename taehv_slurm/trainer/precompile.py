@@ -219,8 +219,8 @@ ASIDE = "eager, compiling aside"
 
 
 class Aside:
-    """One shape compiled by another process (`main`): the module (pickled, its weights with it) and the
-    inputs' shapes, dtypes and strides go over in a file; the process saves the compiled function where
+    """One shape compiled by another process (`compile_job`): the module (pickled, its weights with it) and
+    the inputs' shapes, dtypes and strides go over in a file; the process saves the compiled function where
     `PrecompiledForward.load` finds it, removes its log and exits. It ends when this process ends."""
 
     POLL_S = 1.0  # how often a micro-batch looks for the file
