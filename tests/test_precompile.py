@@ -51,13 +51,17 @@ print(json.dumps({**result, "traced": counters["stats"]["unique_graphs"], "steps
 """
 
 
+def start_env(cache: Path, **env: str) -> dict[str, str]:
+    """A start's environment on `cache`: the compile aside off unless TAEHV_FAST_PATHS_OFF says otherwise."""
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO),
+            "TAEHV_FAST_PATHS_OFF": "compile_aside", **env}
+
+
 def start(cache: Path, weight: float = 20.0, until_compiled: bool = False, script: str = START,
           **env: str) -> tuple[dict, str]:
-    """One start on `cache`; the compile aside is off unless TAEHV_FAST_PATHS_OFF says otherwise."""
+    """One start on `cache` (its environment: `start_env`), to its end."""
     run = subprocess.run([sys.executable, "-c", script, str(weight), *(["on"] if until_compiled else [])],
-                         capture_output=True, text=True, cwd=REPO, timeout=300,
-                         env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO),
-                              "TAEHV_FAST_PATHS_OFF": "compile_aside", **env})
+                         capture_output=True, text=True, cwd=REPO, timeout=300, env=start_env(cache, **env))
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1]), run.stderr
 
@@ -147,8 +151,7 @@ def start_compiling_aside(cache: Path) -> tuple[subprocess.Popen, list[int]]:
     script = "from taehv_slurm.trainer.precompile import Aside\nAside.RETRY_S = 1.0\n" + START
     run = subprocess.Popen([sys.executable, "-c", script, "20.0", "on"], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, cwd=REPO,
-                           env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO),
-                                "TAEHV_FAST_PATHS_OFF": ""})
+                           env=start_env(cache, TAEHV_FAST_PATHS_OFF=""))
     deadline = time.monotonic() + 60
     while len(pids := compiling_aside(cache)) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
