@@ -37,6 +37,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -207,6 +208,8 @@ def parse_args() -> argparse.Namespace:
                    help="per source, PAIRS runs with the hang watchdog and slow-rank timing on and off, "
                         "alternating (their overhead); 0: one run, watchers on as shipped")
     p.add_argument("--smoke", action="store_true", help="CPU, 8×64×64 clips, a tiny teacher, 3 steps")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                   help="another override of the shipped config for every run (e.g. batch.per_gpu=2)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.smoke:
@@ -225,6 +228,7 @@ def source_settings(source: str, args: argparse.Namespace, work: Path, prepared:
         sets.update({"data.frames": spec.frames, "data.height": spec.height, "data.width": spec.width,
                      "data.val_clips": 2, "data.num_clips": 64, "model.encoder_width": 16,
                      "model.decoder_widths": "[32,32,16,16]", "batch.effective": 8})
+    sets.update((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in args.sets))
     return sets
 
 
