@@ -2,7 +2,7 @@
 # The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host; faults: all of them).
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
 #   PART: student | starts | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
-#         faults | all
+#         faults | all; and, not in all: micro_batch
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
 # was measured, e.g. e2e_start_warm) and its output beside it as .log; gpu_tests writes
@@ -35,6 +35,13 @@ if want student; then  # the isolated step, then the shipped config end to end
   run train_throughput 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4
   LIMIT=1500 run e2e_throughput 1 python3 bench/e2e_throughput.py --sources prepared --videos 24 --steps 16 \
     --warmup-steps 4 --work /tmp/taehv-e2e-student
+fi
+if [[ $part == micro_batch ]]; then  # the shipped micro-batch of 4 against 2: isolated, then through the command
+  run train_step_micro_batch 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 2,4
+  for b in 2 4; do
+    LIMIT=200 run "e2e_micro_batch_$b" 1 python3 bench/e2e_throughput.py --sources prepared --videos 16 --steps 20 \
+      --warmup-steps 12 --isolated-steps 0 --prepare-flags=--no-compile --work /tmp/taehv-e2e-micro --set "batch.per_gpu=$b"
+  done
 fi
 if want starts; then  # the shipped config through the command: cold (compiled aside), warm; cold, in the rank
   python3 -c "import torch, deepspeed, taehv_slurm.trainer.train" 2>/dev/null  # both colds find the files read

@@ -7,6 +7,7 @@ backs a figure in docs/benchmarks.md, and every result file those name exists.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -87,13 +88,30 @@ def test_loader_throughput_smoke(tmp_path: Path) -> None:
 
 def test_end_to_end_throughput_smoke(tmp_path: Path) -> None:
     # Videos → jobs.prepare with a HunyuanVideo-architecture teacher → jobs.submit --local for each
-    # source, beside the isolated step: the path whose GPU figures docs/benchmarks.md leads with.
-    run, result = run_smoke("e2e_throughput.py", tmp_path / "e2e.json", timeout=600)
+    # source, beside the isolated step: the path whose GPU figures docs/benchmarks.md leads with. A further
+    # override (--set) reaches every run: 4 micro-batches of 2, where the shipped per-GPU batch of 4 gives 2
+    # of 4 (--smoke's effective batch of 8 on one rank).
+    run, result = run_smoke("e2e_throughput.py", tmp_path / "e2e.json", 600, "--set", "batch.per_gpu=2")
     assert [row["source"] for row in result["rows"]] == ["prepared", "video", "synthetic"]
     for row in result["rows"]:
         assert row["exit"] == 0 and row["clips_per_s"] > 0 and row["isolated_clips_per_s"] > 0
+        assert (row["grad_accum"], row["per_gpu_batch"]) == (4, 2)
         assert 0 <= row["data_wait"] <= 1 and row["steps_measured"] >= 1
     assert "e2e clips/s" in run.stdout
+
+
+def test_suite_cpu_gives_each_test_the_cpu_of_the_processes_started_under_it(tmp_path: Path) -> None:
+    # A process counts for the test it started under (pytest's PYTEST_CURRENT_TEST in its environment, which
+    # a test's subprocesses and their Slurm ranks inherit): the command for this test, its child for another.
+    child = ("import os, subprocess, sys; subprocess.run([sys.executable, '-c', 'sum(range(40_000_000))'], "
+             "env={**os.environ, 'PYTEST_CURRENT_TEST': 'tests/test_x.py::test_y (call)'})")
+    out = tmp_path / "cpu.json"
+    run = subprocess.run([sys.executable, "bench/suite_cpu.py", "--out", str(out), "--", sys.executable, "-c",
+                          child], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert run.returncode == 0 and f"wrote {out}" in run.stdout, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["by_test"]["tests/test_x.py::test_y"] > 0.3 and result["by_module"]["tests/test_x.py"] > 0.3
+    assert os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0] in result["by_test"]
 
 
 def test_fast_paths_quality_smoke(tmp_path: Path) -> None:

@@ -1,0 +1,134 @@
+"""Where a command's CPU goes, process by process: the suite's CPU by test module, test and kind of process.
+
+    python3 bench/suite_cpu.py --out bench/results/suite_cpu_by_test_cpu_DATE_COMMIT.json \
+        -- python3 -m pytest -q
+
+Runs the command and reads /proc every 0.3 s: each process's CPU seconds (user + system, its last reading
+before it ended: a process shorter than one poll is missed, a long one loses under 0.3 s), the test it ran
+under (PYTEST_CURRENT_TEST of its environment: pytest sets it for each test, and the test's subprocesses,
+their Slurm jobs through sbatch's exported environment and those jobs' ranks inherit it) and its command
+line. The suite is CPU-bound on CI's 2 cores (docs/contributing.md), so CPU seconds are what a change must
+save. Linux only; the polling cost 1.1 % of one core through a run of the suite
+(bench/results/suite_cpu_by_test_cpu_2026-12-06_20aa0c1-dirty.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._record import run_info  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+# A process's kind: the module it runs (python -m X), else the program; a rank forked child (a loader
+# worker) keeps its rank's command line and counts as one more process of that kind.
+DAEMONS = ("slurmctld", "slurmd", "slurmdbd", "slurmstepd", "mariadbd", "munged")
+OUTSIDE = "(outside any test: pytest and its workers, the testbed's daemons)"
+
+
+def kind(cmdline: str) -> str:
+    words = cmdline.split()
+    if not words:
+        return "?"
+    if "-m" in words[:3] and words.index("-m") + 1 < len(words):
+        return f"python -m {words[words.index('-m') + 1]}"
+    if "-c" in words[:3]:
+        return "python -c (a test's own process, or a pytest-xdist worker)"
+    program = Path(words[0]).name
+    if re.fullmatch(r"python[\d.]*", program) and len(words) > 1:
+        return f"python {words[1]}"
+    return program if program in DAEMONS else program[:40]
+
+
+def read_process(pid: str) -> tuple[str, float, str, str] | None:
+    """(start time, CPU seconds, test, command line) of process `pid`, or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        cpu = (int(stat[11]) + int(stat[12])) / TICK
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except (OSError, IndexError):
+        return None
+    test = next((e.split(b"=", 1)[1].decode(errors="replace") for e in env
+                 if e.startswith(b"PYTEST_CURRENT_TEST=")), "")
+    return stat[19].decode(), cpu, test.rsplit(" (", 1)[0], cmdline.strip()
+
+
+def running() -> set[str]:
+    """pid:start of every process now."""
+    return {f"{pid}:{found[0]}" for pid in filter(str.isdigit, os.listdir("/proc"))
+            if (found := read_process(pid))}
+
+
+def poll(seen: dict[str, list[Any]], before: set[str], done: threading.Event, every_s: float = 0.3) -> None:
+    """Until `done`: the latest CPU seconds of every process not in `before`, keyed by pid and start time
+    (pids are reused)."""
+    while not done.is_set():
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            found = read_process(pid)
+            if found and (key := f"{pid}:{found[0]}") not in before:
+                seen.setdefault(key, [found[2], found[3], 0.0])[2] = found[1]
+        done.wait(every_s)
+
+
+def summary(seen: dict[str, list[Any]], top: int) -> dict[str, Any]:
+    """CPU seconds by test module, test (the `top` costliest) and kind of process; the ranks' own figures."""
+    by_module, by_test, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
+    processes = collections.Counter()
+    for test, cmdline, cpu in seen.values():
+        by_test[test or OUTSIDE] += cpu
+        by_module[test.split("::")[0] or OUTSIDE] += cpu
+        by_kind[kind(cmdline)] += cpu
+        processes[kind(cmdline)] += 1
+    ranks = sorted(cpu for _, cmdline, cpu in seen.values() if "taehv_slurm.runtime.entry" in cmdline)
+    started = [cpu for cpu in ranks if cpu > 2]  # a rank, not a forked loader worker of one
+    return {"cpu_s": round(sum(cpu for *_, cpu in seen.values()), 1), "processes": len(seen),
+            "by_module": {k: round(v, 1) for k, v in by_module.most_common()},
+            "by_test": {k: round(v, 1) for k, v in by_test.most_common(top)},
+            "by_kind": {k: {"cpu_s": round(v, 1), "processes": processes[k]}
+                        for k, v in by_kind.most_common()},
+            "ranks": {"processes": len(ranks), "cpu_s": round(sum(ranks), 1), "over_2_cpu_s": len(started),
+                      "median_cpu_s_over_2": round(started[len(started) // 2], 2) if started else None}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="write the summary here as JSON")
+    p.add_argument("--top", type=int, default=40, help="tests listed, the costliest first")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    args = p.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        p.error("no command: bench/suite_cpu.py [--out FILE] -- COMMAND ARGS...")
+    seen: dict[str, list[Any]] = {}
+    done = threading.Event()
+    poller = threading.Thread(target=poll, args=(seen, running(), done), daemon=True)  # new processes only
+    poller.start()
+    began = time.monotonic()
+    status = subprocess.run(command).returncode
+    wall = time.monotonic() - began
+    done.set()
+    poller.join()
+    result = {"info": {**run_info(False), "command": " ".join(command), "exit": status,
+                       "wall_s": round(wall, 1), "cores": os.cpu_count()}, **summary(seen, args.top)}
+    print(f"{result['cpu_s']:.0f} CPU-s in {wall:.0f} s wall over {result['processes']} processes; by kind:")
+    for name, row in list(result["by_kind"].items())[:12]:
+        print(f"{row['cpu_s']:9.1f} {row['processes']:6d}  {name}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
