@@ -30,13 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._record import run_info  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
-# A process's kind: the module it runs (python -m X), else the program; a rank forked child (a loader
-# worker) keeps its rank's command line and counts as one more process of that kind.
 DAEMONS = ("slurmctld", "slurmd", "slurmdbd", "slurmstepd", "mariadbd", "munged")
 OUTSIDE = "(outside any test: pytest and its workers, the testbed's daemons)"
 
 
 def kind(cmdline: str) -> str:
+    """What a process runs: its module (python -m X) or script, else its program. A rank's forked child (a
+    loader worker) keeps the rank's command line, so it is one more process of the rank's kind."""
     words = cmdline.split()
     if not words:
         return "?"
@@ -120,7 +120,7 @@ def main() -> None:
     done.set()
     poller.join()
     result = {"info": {**run_info(False), "command": " ".join(command), "exit": status,
-                       "wall_s": round(wall, 1), "cores": os.cpu_count()}, **summary(seen, args.top)}
+                       "wall_s": round(wall, 1)}, **summary(seen, args.top)}
     print(f"{result['cpu_s']:.0f} CPU-s in {wall:.0f} s wall over {result['processes']} processes; by kind:")
     for name, row in list(result["by_kind"].items())[:12]:
         print(f"{row['cpu_s']:9.1f} {row['processes']:6d}  {name}")
