@@ -37,7 +37,6 @@ from typing import Any
 
 import pandas as pd
 import torch
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -47,6 +46,7 @@ from bench.prepare_throughput import write_h264  # noqa: E402
 from taehv_slurm.common.config import TrainConfig, load_train  # noqa: E402
 from taehv_slurm.common.plan import plan_for  # noqa: E402
 from taehv_slurm.common.runfolder import JobDir, RunFolder  # noqa: E402
+from taehv_slurm.common.typed_yaml import parse_set_args  # noqa: E402
 from taehv_slurm.goodput import goodput_frame  # noqa: E402
 from taehv_slurm.trainer.data import ClipSpec, SyntheticClips  # noqa: E402
 
@@ -228,7 +228,7 @@ def source_settings(source: str, args: argparse.Namespace, work: Path, prepared:
         sets.update({"data.frames": spec.frames, "data.height": spec.height, "data.width": spec.width,
                      "data.val_clips": 2, "data.num_clips": 64, "model.encoder_width": 16,
                      "model.decoder_widths": "[32,32,16,16]", "batch.effective": 8})
-    sets.update((k, yaml.safe_load(v)) for k, v in (kv.split("=", 1) for kv in args.sets))
+    sets.update(parse_set_args(args.sets))
     return sets
 
 
