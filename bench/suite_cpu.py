@@ -23,10 +23,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 from bench._record import run_info  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -35,8 +37,9 @@ OUTSIDE = "(outside any test: pytest and its workers, the testbed's daemons)"
 
 
 def kind(cmdline: str) -> str:
-    """What a process runs: its module (python -m X) or script, else its program. A rank's forked child (a
-    loader worker) keeps the rank's command line, so it is one more process of the rank's kind."""
+    """What a process runs: its module (python -m X) or script (by its path in the repo, else its name),
+    else its program. A rank's forked child (a loader worker) keeps the rank's command line, so it is one
+    more process of the rank's kind."""
     words = cmdline.split()
     if not words:
         return "?"
@@ -46,7 +49,10 @@ def kind(cmdline: str) -> str:
         return "python -c (a test's own process, or a pytest-xdist worker)"
     program = Path(words[0]).name
     if re.fullmatch(r"python[\d.]*", program) and len(words) > 1:
-        return f"python {words[1]}"
+        script = Path(words[1])  # no machine's own path: an absolute one outside the repo by its name
+        if script.is_absolute():
+            script = script.relative_to(REPO) if script.is_relative_to(REPO) else Path(script.name)
+        return f"python {script}"
     return program if program in DAEMONS else program[:40]
 
 
@@ -64,38 +70,41 @@ def read_process(pid: str) -> tuple[str, float, str, str] | None:
     return stat[19].decode(), cpu, test.rsplit(" (", 1)[0], cmdline.strip()
 
 
-def running() -> set[str]:
-    """pid:start of every process now."""
-    return {f"{pid}:{found[0]}" for pid in filter(str.isdigit, os.listdir("/proc"))
-            if (found := read_process(pid))}
+def processes() -> Iterator[tuple[str, tuple[str, float, str, str]]]:
+    """(pid:start, `read_process`'s reading) of every process now; pids are reused, so the start too."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if found := read_process(pid):
+            yield f"{pid}:{found[0]}", found
 
 
 def poll(seen: dict[str, list[Any]], before: set[str], done: threading.Event, every_s: float = 0.3) -> None:
-    """Until `done`: the latest CPU seconds of every process not in `before`, keyed by pid and start time
-    (pids are reused)."""
+    """Until `done`: the latest CPU seconds of every process not in `before`."""
     while not done.is_set():
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            found = read_process(pid)
-            if found and (key := f"{pid}:{found[0]}") not in before:
-                seen.setdefault(key, [found[2], found[3], 0.0])[2] = found[1]
+        for key, (_, cpu, test, cmdline) in processes():
+            if key not in before:
+                seen.setdefault(key, [test, cmdline, 0.0])[2] = cpu
         done.wait(every_s)
 
 
 def summary(seen: dict[str, list[Any]], top: int) -> dict[str, Any]:
     """CPU seconds by test module, test (the `top` costliest) and kind of process; the ranks' own figures."""
     by_module, by_test, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
-    processes = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    ranks = []
     for test, cmdline, cpu in seen.values():
         by_test[test or OUTSIDE] += cpu
         by_module[test.split("::")[0] or OUTSIDE] += cpu
-        by_kind[kind(cmdline)] += cpu
-        processes[kind(cmdline)] += 1
-    ranks = sorted(cpu for _, cmdline, cpu in seen.values() if "taehv_slurm.runtime.entry" in cmdline)
+        what = kind(cmdline)
+        by_kind[what] += cpu
+        count[what] += 1
+        if what == "python -m taehv_slurm.runtime.entry":
+            ranks.append(cpu)
+    ranks.sort()
     started = [cpu for cpu in ranks if cpu > 2]  # a rank, not a forked loader worker of one
     return {"cpu_s": round(sum(cpu for *_, cpu in seen.values()), 1), "processes": len(seen),
             "by_module": {k: round(v, 1) for k, v in by_module.most_common()},
             "by_test": {k: round(v, 1) for k, v in by_test.most_common(top)},
-            "by_kind": {k: {"cpu_s": round(v, 1), "processes": processes[k]}
+            "by_kind": {k: {"cpu_s": round(v, 1), "processes": count[k]}
                         for k, v in by_kind.most_common()},
             "ranks": {"processes": len(ranks), "cpu_s": round(sum(ranks), 1), "over_2_cpu_s": len(started),
                       "median_cpu_s_over_2": round(started[len(started) // 2], 2) if started else None}}
@@ -112,7 +121,8 @@ def main() -> None:
         p.error("no command: bench/suite_cpu.py [--out FILE] -- COMMAND ARGS...")
     seen: dict[str, list[Any]] = {}
     done = threading.Event()
-    poller = threading.Thread(target=poll, args=(seen, running(), done), daemon=True)  # new processes only
+    before = {key for key, _ in processes()}  # new processes only
+    poller = threading.Thread(target=poll, args=(seen, before, done), daemon=True)
     poller.start()
     began = time.monotonic()
     status = subprocess.run(command).returncode
