@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import gc
+import json
+from pathlib import Path
 from typing import Any
 
 from taehv_slurm.common.runfolder import RunFolder
@@ -33,6 +36,22 @@ class StopAtFirstBoundary:
         ctx.step_boundary(0, lambda: None)  # nothing trained: the saved state is the one it started from
         ctx.finished(0)
         return "trained"
+
+
+class ReportsCollector:
+    """Writes to `out` (JSON) whether Python's garbage collector is on as the task begins and once its
+    `ctx.started` returned, and how many objects are frozen out of its collections by then."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def __call__(self, ctx: Any) -> str:
+        began = gc.isenabled()
+        ctx.started(0)
+        report = {"began": began, "started": gc.isenabled(), "frozen": gc.get_freeze_count()}
+        Path(self.out).write_text(json.dumps(report))
+        ctx.finished(0)
+        return "done"
 
 
 def _save_count(checkpoints: Checkpointer, step: int) -> None:

@@ -40,6 +40,7 @@ from taehv_slurm.common.config import (
 from taehv_slurm.common.messages import command, first_line
 from taehv_slurm.common.security import make_private_dir
 from taehv_slurm.common.typed_yaml import parse_set_args
+from taehv_slurm.runtime import collector
 from taehv_slurm.runtime.bytecode import keep_bytecode
 from taehv_slurm.runtime.distenv import LAUNCHER_MARK, DistEnv, DistributedSetupError
 from taehv_slurm.runtime.node_launcher import (
@@ -147,6 +148,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from taehv_slurm.runtime.requeue import StopRequested, TaskFailedError
     from taehv_slurm.submission import requeueable_task
 
+    collector.pause()  # until the task's start is over (taehv_slurm.runtime.collector)
     env = DistEnv.from_environ()
     base, train = read_configs(args)
     cluster = for_node(base, env.local_world_size, "auto", args.cluster)

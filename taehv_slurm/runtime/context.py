@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from taehv_slurm.common.messages import command
 from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.common.security import make_private_dir
+from taehv_slurm.runtime import collector
 from taehv_slurm.runtime.distenv import DistEnv
 from taehv_slurm.runtime.provenance import record_attempt
 from taehv_slurm.runtime.rank_backend import RankBackend
@@ -194,7 +195,9 @@ class RunContext:
 
     def started(self, step: int, config: Mapping[str, Any] | None = None, **info: Any) -> None:
         """Call once the state is loaded (all ranks): marks the segment's start step. `config`: the task's
-        resolved configuration, recorded with the code and versions of this attempt (provenance)."""
+        resolved configuration, recorded with the code and versions of this attempt (provenance). The
+        start's objects are frozen out of garbage collection from here on (`collector`)."""
+        collector.resume()
         self.start_step = self.step = step
         self.start_time = time.time()
         self.began = float(os.environ.get("TAEHV_STARTED_AT") or self.start_time)  # set by the entry point

@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 
 from taehv_slurm.common.security import UnsafePathError, check_safe_to_load, umask_for
-from taehv_slurm.runtime import legacy, signals
+from taehv_slurm.runtime import collector, legacy, signals
 from taehv_slurm.runtime.bytecode import COMPILE_CACHE_ENV, keep_bytecode
 
 STARTED_ENV = "TAEHV_STARTED_AT"  # when this rank's process began (the run context reads it)
@@ -35,6 +35,7 @@ REFUSED_EXIT_CODE = 2
 
 def main(argv: list[str] | None = None) -> None:
     signals.hold()  # first: submitit's import and the pickle's (torch) take seconds
+    collector.pause()  # until the task's start is over (taehv_slurm.runtime.collector)
     os.environ.setdefault(STARTED_ENV, repr(time.time()))  # the attempt's start, for its time to first step
     args = list(sys.argv[1:] if argv is None else argv)
     after = None

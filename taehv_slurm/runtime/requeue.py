@@ -37,7 +37,7 @@ import submitit
 from taehv_slurm.common.messages import one_line
 from taehv_slurm.common.runfolder import EventLog, RunFolder
 from taehv_slurm.common.security import make_private_dir
-from taehv_slurm.runtime import signals
+from taehv_slurm.runtime import collector, signals
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.context import FatalTaskError, RequeueExit, RunContext, StopFlag, grace_seconds
 from taehv_slurm.runtime.distenv import DistEnv, attempt_of_environ
@@ -46,6 +46,7 @@ from taehv_slurm.runtime.rank_backend import RankBackend
 from taehv_slurm.runtime.ranks import RankFile, describe_ranks, killed_ranks, node_name, read_ranks
 from taehv_slurm.runtime.runlock import RunLock
 from taehv_slurm.runtime.steps import FOLLOW_UP_EXIT_CODE, handed_over, in_step_loop, launch_number
+from taehv_slurm.runtime.tasks import TaskRef
 from taehv_slurm.runtime.watchdog import Verdict, Watchdog, WatchdogSettings
 
 SIGNAL_NOTES = {signal.SIGKILL: " (often the kernel's out-of-memory killer, or a node being taken away)",
@@ -167,6 +168,8 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         if env.rank == 0:
             stop.on_give_up = lambda why: ctx.events.write("failure", segment=segment, rank=0, step=ctx.step,
                                                            error=why, job_id=env.job_id, host=node_name())
+        if not isinstance(self.task, TaskRef):  # ours say when their start is over: `ctx.started`
+            collector.resume()
         try:
             result = self.task(ctx)
         except (RequeueExit, ReportedError):

@@ -1,0 +1,27 @@
+"""Python's cyclic garbage collector across a rank's start.
+
+A rank's start imports torch (then Dynamo, DeepSpeed, the trainer) and builds its model: millions of objects
+that live as long as the process. While they are made, the collector walks them again and again and frees
+nothing; later, each full collection walks them all again, and so does the interpreter's exit. So a rank
+starts with the collector off (`pause`: the entry points) and, once its state is loaded
+(`RunContext.started`), freezes what the start made (`resume`: `gc.freeze` moves every object into a
+generation no collection looks at) and turns the collector on again; what is made later is collected as
+usual. The loader's workers, forked after, inherit the frozen objects and never touch their pages in a
+collection. A rank of the quick test config to its first step's end: 3.85 → 2.75 CPU-s
+(docs/contributing.md, "What the suite's time is made of").
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def pause() -> None:
+    """The collector off, for a start's imports and setup (until `resume`)."""
+    gc.disable()
+
+
+def resume() -> None:
+    """Everything made so far frozen out of later collections, and the collector on."""
+    gc.freeze()
+    gc.enable()
