@@ -295,9 +295,9 @@ def test_signals_while_the_task_starts_are_kept_for_the_first_step_boundary(tmp_
 def test_a_rank_starts_with_the_collector_off_and_collects_once_its_state_is_loaded(tmp_path: Path,
                                                                                     named: bool) -> None:
     # The entry point turns Python's garbage collector off for the start's imports (a quick rank's CPU to
-    # its first step: 3.85 → 2.75 s); `ctx.started` freezes what the start made and turns it on for the rest
-    # of the run. A task named by TaskRef (the trainer, prepare) begins with it off; a user's own callable
-    # finds it on.
+    # its first step: 4.2–4.5 → 2.9–3.1 s); `ctx.started` freezes what the start made and turns it on for
+    # the rest of the run. A task named by TaskRef (the trainer, prepare) begins with it off; a user's own
+    # callable finds it on.
     run_dir = make_private_dir(tmp_path / "run")
     folder = make_private_dir(RunFolder(run_dir).submitit)
     out = tmp_path / "collector.json"

@@ -7,8 +7,8 @@ starts with the collector off (`pause`: the entry points) and, once its state is
 (`RunContext.started`), freezes what the start made (`resume`: `gc.freeze` moves every object into a
 generation no collection looks at) and turns the collector on again; what is made later is collected as
 usual. The loader's workers, forked after, inherit the frozen objects and never touch their pages in a
-collection. A rank of the quick test config to its first step's end: 3.85 → 2.75 CPU-s
-(docs/contributing.md, "What the suite's time is made of").
+collection. A rank of the quick test config to its first step's end: 4.2–4.5 → 2.9–3.1 CPU-s
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
