@@ -6,9 +6,12 @@ nothing; later, each full collection walks them all again, and so does the inter
 starts with the collector off (`pause`: the entry points) and, once its state is loaded
 (`RunContext.started`), freezes what the start made (`resume`: `gc.freeze` moves every object into a
 generation no collection looks at) and turns the collector on again; what is made later is collected as
-usual. The loader's workers, forked after, inherit the frozen objects and never touch their pages in a
+usual; the loader's workers, forked after, inherit the frozen objects and never touch their pages in a
 collection. A rank of the quick test config to its first step's end: 4.2–4.5 → 2.9–3.1 CPU-s
 (docs/benchmarks.md).
+
+What the start made is never collected, so whatever it owns that holds a process, a thread or a file is
+closed explicitly (as `Trainer.close` stops the loader's workers), never left to the collector.
 """
 
 from __future__ import annotations

@@ -89,9 +89,11 @@ def run_training(train: Mapping[str, Any], rt: RuntimeSettings, ctx: RunContext 
     if device.type == "cuda":  # what NCCL runs with: the plan's settings, the cluster's env and the site's
         nccl = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))]
         log.info("NCCL settings: %s", " ".join(nccl) or "NCCL's defaults")
+    trainer = Trainer(cfg, plan, env, device, ctx, rt, net)
     try:
-        return Trainer(cfg, plan, env, device, ctx, rt, net).run()
+        return trainer.run()
     finally:
+        trainer.close()
         destroy_distributed()
 
 
@@ -291,6 +293,14 @@ class Trainer:
                             sizes,
                             num_workers=plan.num_workers, prefetch_factor=plan.prefetch_factor,
                             pin_memory=self.device.type == "cuda")
+
+    def close(self) -> None:
+        """Stops the loader's workers, however the run ended. Not left to the garbage collector: the
+        trainer is made before its start is over, so it is frozen out of every collection
+        (taehv_slurm/runtime/collector.py), and the workers, which ignore SIGTERM, would hold the process's
+        exit."""
+        if (stream := getattr(self, "stream", None)) is not None:
+            stream.close()
 
     def save_at_signal(self, step: int) -> None:
         self.save(step, blocking=True)
