@@ -27,7 +27,6 @@ from taehv_slurm.runtime.context import StopFlag, grace_seconds
 from taehv_slurm.runtime.controller import LOCAL_REQUEUE_EXIT_CODE
 from taehv_slurm.runtime.provenance import read_attempts
 from taehv_slurm.runtime.requeue import RequeueableTask
-from taehv_slurm.runtime.tasks import TaskRef
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
 from tests.helpers import (
@@ -43,7 +42,7 @@ from tests.helpers import (
     tiny_train,
     wait_done,
 )
-from tests.tasks import CountingTask, CrashAfterStart, ReportsCollector, SlowToLoad, StopAtFirstBoundary
+from tests.tasks import CountingTask, CrashAfterStart, SlowToLoad, StopAtFirstBoundary
 from tests.wandb_offline import offline_runs
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -227,7 +226,6 @@ import os, subprocess, sys, time
 from pathlib import Path
 from taehv_slurm.runtime.provenance import read_attempts
 from taehv_slurm.runtime.requeue import RequeueableTask
-from taehv_slurm.runtime.tasks import TaskRef
 
 def train(ctx):
     ctx.started(0)
@@ -289,28 +287,6 @@ def test_signals_while_the_task_starts_are_kept_for_the_first_step_boundary(tmp_
     assert ((start["event"], requeue["event"], requeue["reason"], requeue["step"])
             == ("start", "requeue", "timeout", 0))
     assert requeue["signal_to_saved_s"] >= 1.0  # timed from the signal's arrival, not from the task's start
-
-
-@pytest.mark.parametrize("named", [True, False], ids=["named-task", "users-callable"])
-def test_a_rank_starts_with_the_collector_off_and_collects_once_its_state_is_loaded(tmp_path: Path,
-                                                                                    named: bool) -> None:
-    # The entry point turns Python's garbage collector off for the start's imports (a quick rank's CPU to
-    # its first step: 4.2–4.5 → 2.9–3.1 s); `ctx.started` freezes what the start made and turns it on for
-    # the rest of the run. A task named by TaskRef (the trainer, prepare) begins with it off; a user's own
-    # callable finds it on.
-    run_dir = make_private_dir(tmp_path / "run")
-    folder = make_private_dir(RunFolder(run_dir).submitit)
-    out = tmp_path / "collector.json"
-    task = TaskRef("tests.tasks:ReportsCollector", out=str(out)) if named else ReportsCollector(str(out))
-    with private_umask():
-        DelayedSubmission(RequeueableTask(task, run_dir, backend=LocalBackend())).dump(
-            folder / "4242_submitted.pkl")
-    entry = subprocess.run([sys.executable, "-m", "taehv_slurm.runtime.entry", str(folder)], text=True,
-                           capture_output=True, env={**os.environ, **LOCAL_TASK_ENV}, timeout=120)
-    assert entry.returncode == 0, entry.stdout[-2000:] + entry.stderr[-2000:]
-    report = json.loads(out.read_text())
-    assert (report["began"], report["started"]) == (not named, True)
-    assert report["frozen"] > 10_000  # the start's modules and objects, out of every later collection
 
 
 def test_on_slurm_a_signal_while_the_task_loads_is_kept_for_its_first_step_boundary(tmp_path: Path) -> None:

@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import gc
 
+_paused = False  # by `pause`: only a start this module paused is resumed, never a user's own process
+
 
 def pause() -> None:
     """The collector off, for a start's imports and setup (until `resume`)."""
+    global _paused
+    _paused = True
     gc.disable()
 
 
 def resume() -> None:
-    """Everything made so far frozen out of later collections, and the collector on."""
-    gc.freeze()
-    gc.enable()
+    """After `pause`: everything made so far frozen out of later collections, and the collector on.
+    Elsewhere (a task called in a notebook, say) nothing: the collector stays as its user left it."""
+    global _paused
+    if _paused:
+        _paused = False
+        gc.freeze()
+        gc.enable()

@@ -169,7 +169,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             stop.on_give_up = lambda why: ctx.events.write("failure", segment=segment, rank=0, step=ctx.step,
                                                            error=why, job_id=env.job_id, host=node_name())
         if not isinstance(self.task, TaskRef):  # ours say when their start is over: `ctx.started`
-            collector.resume()
+            collector.resume()  # a user's own callable
         try:
             result = self.task(ctx)
         except (RequeueExit, ReportedError):
