@@ -89,11 +89,13 @@ def run_training(train: Mapping[str, Any], rt: RuntimeSettings, ctx: RunContext 
     if device.type == "cuda":  # what NCCL runs with: the plan's settings, the cluster's env and the site's
         nccl = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "TORCH_NCCL_"))]
         log.info("NCCL settings: %s", " ".join(nccl) or "NCCL's defaults")
-    trainer = Trainer(cfg, plan, env, device, ctx, rt, net)
     try:
-        return trainer.run()
+        trainer = Trainer(cfg, plan, env, device, ctx, rt, net)
+        try:
+            return trainer.run()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
         destroy_distributed()
 
 
@@ -338,7 +340,7 @@ class Trainer:
         self.data_offset += step - back
         self.rollbacks += 1
         self.guard.rolled_back()
-        del self.stream  # stops its loader workers
+        self.close()  # stops its loader workers
         self.stream = self.open_stream(back, sizes)
         self.metrics.rewind(back)
         if self.main:
