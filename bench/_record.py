@@ -88,6 +88,8 @@ def run_info(on_gpu: bool, **extra: Any) -> dict[str, Any]:
     """The machine, versions, code and date of this run; `extra` adds the benchmark's own settings."""
     import torch
 
+    from taehv_slurm.trainer.layers import FAST_PATHS_OFF_ENV
+
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -99,6 +101,7 @@ def run_info(on_gpu: bool, **extra: Any) -> dict[str, Any]:
         "cudnn": torch.backends.cudnn.version(),
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None,
         **code_version(),
+        "fast_paths_off": os.environ.get(FAST_PATHS_OFF_ENV, ""),  # an A/B's side
         **extra,
     }
 

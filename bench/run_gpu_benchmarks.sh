@@ -2,7 +2,7 @@
 # The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host; faults: all of them).
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
 #   PART: student | starts | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
-#         faults | all; and, not in all: micro_batch
+#         faults | all; and, not in all: micro_batch, teacher_norm
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
 # was measured, e.g. e2e_start_warm) and its output beside it as .log; gpu_tests writes
@@ -41,6 +41,14 @@ if [[ $part == micro_batch ]]; then  # the shipped micro-batch of 4 against 2: i
   for b in 2 4; do
     LIMIT=200 run "e2e_micro_batch_$b" 1 python3 bench/e2e_throughput.py --sources prepared --videos 16 --steps 20 \
       --warmup-steps 12 --isolated-steps 0 --prepare-flags=--no-compile --work /tmp/taehv-e2e-micro --set "batch.per_gpu=$b"
+  done
+fi
+if [[ $part == teacher_norm ]]; then  # the teacher alone, its GroupNorms' statistics in one read or two, alternated
+  for round in 1 2; do
+    run "prepare_throughput_one_pass_norm_$round" 1 python3 bench/prepare_throughput.py --modes compile --batches 2 \
+      --skip decode,read
+    TAEHV_FAST_PATHS_OFF=one_pass_norm run "prepare_throughput_two_pass_norm_$round" 1 python3 \
+      bench/prepare_throughput.py --modes compile --batches 2 --skip decode,read
   done
 fi
 if want starts; then  # the shipped config through the command: cold (compiled aside), warm; cold, in the rank

@@ -21,6 +21,7 @@ from taehv_slurm.trainer.hunyuan_encoder import (
     HunyuanVideoEncoder,
     attend,
 )
+from taehv_slurm.trainer.layers import FAST_PATHS
 from taehv_slurm.trainer.teacher import DiffusersEncoder, load_teacher
 from tests.helpers import REPO
 
@@ -80,8 +81,13 @@ def test_the_frame_causal_attention_is_what_makes_the_latents_match(tmp_path: Pa
     assert not torch.allclose(teacher.latents(frames), expected, atol=1e-3)
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_channel_sum_group_norm_is_group_norm(dtype: torch.dtype) -> None:
+def test_channel_sum_group_norm_is_group_norm(dtype: torch.dtype, one_pass: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of the statistics (`one_pass_norm` on and off) give nn.GroupNorm's result; the channels of
+    a group have other means (a group's variance is not only its channels' variances)."""
+    monkeypatch.setitem(FAST_PATHS, "one_pass_norm", one_pass)
     torch.manual_seed(0)
     native = nn.GroupNorm(4, 16, eps=1e-6)
     nn.init.normal_(native.weight)
@@ -89,7 +95,8 @@ def test_channel_sum_group_norm_is_group_norm(dtype: torch.dtype) -> None:
     fast = GroupNorm(4, 16, eps=1e-6)
     fast.channel_sums = True
     fast.load_state_dict(native.state_dict())
-    x = (torch.randn(2, 16, 3, 8, 8) * 3 + 50).to(dtype)  # offset far above the spread: tests the variance
+    offset = 50 + 4 * torch.arange(16.0).view(1, 16, 1, 1, 1)  # far above the spread, other in each channel
+    x = (torch.randn(2, 16, 3, 8, 8) * 3 + offset).to(dtype)
     x = x.contiguous(memory_format=torch.channels_last_3d)
     with torch.no_grad():
         want = native.to(dtype)(x.contiguous()).float()

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layers import FAST_PATHS
+
 CLASS_NAME = "AutoencoderKLHunyuanVideo"  # diffusers' class, named in the folder's config.json
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 WEIGHTS_INDEX = WEIGHTS + ".index.json"  # a sharded save
@@ -101,20 +103,31 @@ class GroupNorm(nn.GroupNorm):
         return F.silu(F.pad(x, padding, mode="replicate").float() * scale + shift).to(x.dtype)
 
     def scale_and_shift(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per channel, float32, shaped to broadcast over x: the normalisation is x · scale + shift."""
+        """Per channel, float32, shaped to broadcast over x: the normalisation is x · scale + shift. With
+        `one_pass_norm` each channel's mean and variance come from one read of x (Welford's, in Inductor),
+        and a group's variance is its channels' mean variance plus the variance of their means (the law of
+        total variance: exact, no difference of large sums); else the mean first, then the spread about it."""
         n, c = x.shape[:2]
-        per_group = c // self.num_groups
+        groups, per_group = self.num_groups, c // self.num_groups
         dims = tuple(range(2, x.dim()))
-        count = per_group * x[0, 0].numel()
         shape = (n, c) + (1,) * (x.dim() - 2)
         xf = x.float()
-        mean = xf.sum(dims).view(n, self.num_groups, per_group).sum(-1).div(count)
-        mean_c = mean.repeat_interleave(per_group, dim=1).view(shape)
-        var = (xf - mean_c).square().sum(dims).view(n, self.num_groups, per_group).sum(-1).div(count)
+        if FAST_PATHS["one_pass_norm"]:
+            channel_var, channel_mean = torch.var_mean(xf, dims, correction=0)
+            channel_mean = channel_mean.view(n, groups, per_group)
+            mean = channel_mean.mean(-1, keepdim=True)
+            var = channel_var.view(n, groups, per_group).mean(-1) + (channel_mean - mean).square().mean(-1)
+            mean = mean.squeeze(-1)
+        else:
+            count = per_group * x[0, 0].numel()
+            mean = xf.sum(dims).view(n, groups, per_group).sum(-1).div(count)
+            centred = xf - mean.repeat_interleave(per_group, dim=1).view(shape)
+            var = centred.square().sum(dims).view(n, groups, per_group).sum(-1).div(count)
+        mean_c = mean.repeat_interleave(per_group, dim=1)
         scale = torch.rsqrt(var + self.eps).repeat_interleave(per_group, dim=1)
         if self.affine:
             scale = scale * self.weight.float()
-        shift = -mean_c.view(n, c) * scale + (self.bias.float() if self.affine else 0)
+        shift = -mean_c * scale + (self.bias.float() if self.affine else 0)
         return scale.view(shape), shift.view(shape)
 
 

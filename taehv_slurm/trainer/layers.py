@@ -173,6 +173,7 @@ FAST_PATHS = {
     "copy_overlap": True,       # (train.py) each micro-batch copied to the GPU on a stream of its own
     "precompile": True,         # (engine.py) the compiled student saved whole, loaded by later starts
     "compile_aside": True,      # (precompile.py) ... and while no file has it, another process compiles it
+    "one_pass_norm": True,      # (hunyuan_encoder.py) the teacher's GroupNorm statistics in one read, not two
 }
 FAST_PATHS_OFF_ENV = "TAEHV_FAST_PATHS_OFF"  # names turned off in every process of a run (benchmarks' A/B)
 
