@@ -2,7 +2,8 @@
 # The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host; faults: all of them).
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
 #   PART: student | starts | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
-#         faults | all; and, not in all: micro_batch, teacher_norm
+#         faults | all; and, not in all: micro_batch, teacher_norm,
+#         teacher_norm_e2e
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
 # was measured, e.g. e2e_start_warm) and its output beside it as .log; gpu_tests writes
@@ -50,6 +51,12 @@ if [[ $part == teacher_norm ]]; then  # the teacher alone, its GroupNorms' stati
     TAEHV_FAST_PATHS_OFF=one_pass_norm run "prepare_throughput_two_pass_norm_$round" 1 python3 \
       bench/prepare_throughput.py --modes compile --batches 2 --skip decode,read
   done
+fi
+if [[ $part == teacher_norm_e2e ]]; then  # the same A/B through `taehv prepare --local`: one pass, two, one again
+  e2e=(python3 bench/prepare_e2e.py --videos 64 --work /tmp/taehv-prepare-e2e --variants)
+  LIMIT=240 run prepare_e2e_one_pass_norm_1 1 "${e2e[@]}" defaults-cold,defaults-warm
+  TAEHV_FAST_PATHS_OFF=one_pass_norm LIMIT=200 run prepare_e2e_two_pass_norm 1 "${e2e[@]}" defaults-cold,defaults-warm
+  LIMIT=120 run prepare_e2e_one_pass_norm_2 1 "${e2e[@]}" defaults-warm
 fi
 if want starts; then  # the shipped config through the command: cold (compiled aside), warm; cold, in the rank
   python3 -c "import torch, deepspeed, taehv_slurm.trainer.train" 2>/dev/null  # both colds find the files read
