@@ -3,7 +3,7 @@
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
 #   PART: student | starts | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
 #         faults | all; and, not in all: micro_batch, teacher_norm,
-#         teacher_norm_e2e
+#         teacher_norm_e2e, cudnn_all
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
 # was measured, e.g. e2e_start_warm) and its output beside it as .log; gpu_tests writes
@@ -57,6 +57,12 @@ if [[ $part == teacher_norm_e2e ]]; then  # the same A/B through `taehv prepare 
   LIMIT=240 run prepare_e2e_one_pass_norm_1 1 "${e2e[@]}" defaults-cold,defaults-warm
   TAEHV_FAST_PATHS_OFF=one_pass_norm LIMIT=200 run prepare_e2e_two_pass_norm 1 "${e2e[@]}" defaults-cold,defaults-warm
   LIMIT=120 run prepare_e2e_one_pass_norm_2 1 "${e2e[@]}" defaults-warm
+fi
+if [[ $part == cudnn_all ]]; then  # the isolated step: cuDNN timing torch's default 10 candidates, then all
+  for limit in 10 0; do
+    run "train_step_cudnn_limit_$limit" 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4 \
+      --cudnn-benchmark-limit "$limit"
+  done
 fi
 if want starts; then  # the shipped config through the command: cold (compiled aside), warm; cold, in the rank
   python3 -c "import torch, deepspeed, taehv_slurm.trainer.train" 2>/dev/null  # both colds find the files read
