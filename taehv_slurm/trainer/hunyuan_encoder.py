@@ -80,8 +80,8 @@ class EncoderSettings:
 
 
 class GroupNorm(nn.GroupNorm):
-    """nn.GroupNorm; with `channel_sums` (the channels-last form) its statistics are per-channel sums first,
-    the same result in fewer passes over NDHWC memory."""
+    """nn.GroupNorm; with `channel_sums` (the channels-last form) its statistics are taken per channel first,
+    then per group: the same result in fewer passes over NDHWC memory."""
 
     channel_sums = False
 
