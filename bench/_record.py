@@ -102,6 +102,7 @@ def run_info(on_gpu: bool, **extra: Any) -> dict[str, Any]:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_gpu else None,
         **code_version(),
         "fast_paths_off": os.environ.get(FAST_PATHS_OFF_ENV, ""),  # an A/B's side
+        "inductor_env": {k: v for k, v in os.environ.items() if k.startswith("TORCHINDUCTOR_")},
         **extra,
     }
 

@@ -3,7 +3,8 @@
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
 #   PART: student | starts | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
 #         faults | all; and, not in all: micro_batch, teacher_norm,
-#         teacher_norm_e2e, cudnn_all
+#         teacher_norm_e2e, cudnn_all,
+#         coordinate_descent
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
 # was measured, e.g. e2e_start_warm) and its output beside it as .log; gpu_tests writes
@@ -62,6 +63,17 @@ if [[ $part == cudnn_all ]]; then  # the isolated step: cuDNN timing torch's def
   for limit in 10 0; do
     run "train_step_cudnn_limit_$limit" 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4 \
       --cudnn-benchmark-limit "$limit"
+  done
+fi
+if [[ $part == coordinate_descent ]]; then  # Inductor tuning each Triton kernel's block sizes, or not:
+  for cd in 0 1; do  # the teacher alone, then the student's isolated step; each on a compile cache of its own
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$cd TORCHINDUCTOR_CACHE_DIR=/tmp/taehv-cd-$cd run \
+      "prepare_throughput_coordinate_descent_$cd" 1 python3 bench/prepare_throughput.py --modes compile --batches 2 \
+      --skip decode,read
+  done
+  for cd in 0 1; do
+    TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$cd TORCHINDUCTOR_CACHE_DIR=/tmp/taehv-cd-$cd run \
+      "train_step_coordinate_descent_$cd" 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4
   done
 fi
 if want starts; then  # the shipped config through the command: cold (compiled aside), warm; cold, in the rank
