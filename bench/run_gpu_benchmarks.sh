@@ -4,7 +4,7 @@
 #   PART: student | starts | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
 #         faults | all; and, not in all: micro_batch, teacher_norm,
 #         teacher_norm_e2e, cudnn_all,
-#         coordinate_descent
+#         teacher_coordinate_descent, student_coordinate_descent
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
 # was measured, e.g. e2e_start_warm) and its output beside it as .log; gpu_tests writes
@@ -65,12 +65,15 @@ if [[ $part == cudnn_all ]]; then  # the isolated step: cuDNN timing torch's def
       --cudnn-benchmark-limit "$limit"
   done
 fi
-if [[ $part == coordinate_descent ]]; then  # Inductor tuning each Triton kernel's block sizes, or not:
-  for cd in 0 1; do  # the teacher alone, then the student's isolated step; each on a compile cache of its own
+# Inductor tuning each Triton kernel's block sizes (coordinate descent), or not; each on a compile cache of its own
+if [[ $part == teacher_coordinate_descent ]]; then  # the teacher alone
+  for cd in 0 1; do
     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$cd TORCHINDUCTOR_CACHE_DIR=/tmp/taehv-cd-$cd run \
       "prepare_throughput_coordinate_descent_$cd" 1 python3 bench/prepare_throughput.py --modes compile --batches 2 \
-      --skip decode,read
+      --skip decode,read --warmup 2 --iters 6
   done
+fi
+if [[ $part == student_coordinate_descent ]]; then  # the student's isolated step
   for cd in 0 1; do
     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$cd TORCHINDUCTOR_CACHE_DIR=/tmp/taehv-cd-$cd run \
       "train_step_coordinate_descent_$cd" 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4
