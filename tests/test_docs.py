@@ -64,6 +64,11 @@ DERIVED = [
      "the teacher's convolutions: a call's FLOPs (2 clips of 42.52 TFLOP) over their 114.959 ms"),
     ("docs/benchmarks.md", "17.4", "2 / 114.959 * 1000", "the teacher's clips/s were its convolutions all"),
     ("docs/benchmarks.md", "45.1", "160.102 - 114.959", "the teacher's kernels other than its convolutions"),
+    ("docs/benchmarks.md", "99", "131.830763697 - 32.616453218",
+     "coordinate-descent tuning: the teacher's first call with it against without"),
+    ("docs/benchmarks.md", "1.8",
+     "(131.830763697 - 32.616453218) / (1 / 12.7241554 - 1 / 12.9216044) / 12.9216044 / 3600",
+     "coordinate-descent tuning: hours of teacher time (at its clips/s) its longer compile takes to repay"),
 ]
 
 
