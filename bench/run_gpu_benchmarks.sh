@@ -2,8 +2,7 @@
 # The GPU runs behind docs/benchmarks.md's table, on one GPU (multi: 2 GPUs of one host; faults: all of them).
 # Usage: bash bench/run_gpu_benchmarks.sh PART [OUTDIR]
 #   PART: student | starts | start | quality | kernels | teacher | data | signal | watchers | gpu_tests (or tests) | multi |
-#         faults | all; and, not in all: micro_batch, teacher_norm,
-#         teacher_norm_e2e, cudnn_all,
+#         faults | all; and, not in all (A/Bs): micro_batch, teacher_norm, teacher_norm_e2e, cudnn_all,
 #         teacher_coordinate_descent, student_coordinate_descent
 #   (OUTDIR: bench/results)
 # Each run writes OUTDIR/<bench>_<gpu>_<date>_<commit>.json (bench/_record.py's scheme; <bench> names what
