@@ -190,3 +190,31 @@ def test_a_signal_to_the_compile_aside_is_the_ranks_to_act_on(tmp_path: Path) ->
     _, err = run.communicate(timeout=30)
     assert err.count("the compile aside was stopped (signal 15)") == 2
     assert "compiling it in this process" not in err and "Traceback" not in err
+
+
+KEY = r"""
+import torch
+from taehv_slurm.trainer.losses import DistillModule
+from taehv_slurm.trainer.precompile import PrecompiledForward
+from tests.tiny_student import TinyStudent
+
+torch.manual_seed(0)
+forward = PrecompiledForward(DistillModule(TinyStudent()), "default", None, None)
+print(forward.key((torch.zeros(2, 4, 3, 16, 16, dtype=torch.uint8), None, 1.0)))
+"""
+
+
+def test_a_file_is_found_by_every_rank_and_not_run_under_other_compiler_settings(tmp_path: Path) -> None:
+    """The file's name holds Inductor's settings: a start with another (a user's TORCHINDUCTOR_* variable)
+    compiles its own instead of running one compiled otherwise; a rank of another allocation (its compile
+    cache elsewhere, fewer CPUs) names the same file."""
+    def key(*prefix: str, **env: str) -> str:
+        run = subprocess.run([*prefix, sys.executable, "-c", KEY], capture_output=True, text=True, cwd=REPO,
+                             timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **env})
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stdout.strip()
+
+    here = str(tmp_path / "a")
+    plain = key(TORCHINDUCTOR_CACHE_DIR=here)
+    assert key("taskset", "-c", "0", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "b")) == plain
+    assert key(TORCHINDUCTOR_CACHE_DIR=here, TORCHINDUCTOR_COORDINATE_DESCENT_TUNING="1") != plain

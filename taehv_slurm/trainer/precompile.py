@@ -8,10 +8,10 @@ and runs without tracing.
 One file per input shape, under the compile cache (`<TORCHINDUCTOR_CACHE_DIR>/precompiled/`). The file keeps
 the guards on the inputs and on the module (its parameters' shapes, its constants), checked at the first
 run; torch leaves out the guards on globals, so the file's name is a digest of what they stood for (the
-trainer's code, torch's version, the device, the compile options, the autocast state, the fast paths), and
-of the module and the inputs too, so that runs of two configs on one cache each keep their own. Anything
-that fails (a torch without the API, a file it cannot read, a first run that fails) compiles again or runs
-torch.compile for that shape, with one log line; a file that failed is removed.
+trainer's code, torch's version, the device, the compile options and Inductor's settings, the autocast
+state, the fast paths), and of the module and the inputs too, so that runs of two configs on one cache each
+keep their own. Anything that fails (a torch without the API, a file it cannot read, a first run that fails)
+compiles again or runs torch.compile for that shape, with one log line; a file that failed is removed.
 
 Where no file has a shape yet (a cold start), the student trains eager while another process compiles it
 (`compile_aside`; `python -m taehv_slurm.trainer.compile_aside JOB`, the module and the inputs' shapes handed
@@ -52,6 +52,17 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
+def compiler_settings() -> list[Any]:
+    """Inductor's and AOT autograd's settings (a user's TORCHINDUCTOR_* variables among them), as torch's own
+    caches key on them: a file compiled under other settings is not the program these would compile. Paths,
+    thread counts and the like are left out by torch (`save_config_portable`), so every rank, node and
+    allocation of a job finds the same files."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    return [sorted(config.save_config_portable().items()) for config in (inductor_config, functorch_config)]
+
+
 def module_signature(module: nn.Module) -> list[Any]:
     """What Dynamo would guard on in the module: each parameter's and buffer's name, shape, dtype, stride
     and device, and each submodule's plain attributes (the loss weights, the training flag, ...)."""
@@ -74,7 +85,7 @@ class PrecompiledForward:
         self.device = next(module.parameters()).device
         paths = sorted((k, v) for k, v in FAST_PATHS.items() if k != "compile_aside")  # where, not what
         self.fixed = repr([code_digest(), torch.__version__, str(torch.version.cuda), mode, paths,
-                           module_signature(module),
+                           compiler_settings(), module_signature(module),
                            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"])
         self.by_shape: dict[str, Callable[..., Any] | None] = {}
         # per input shape: "loaded", "saved", "compiled aside", "torch.compile", or while it runs eager,
