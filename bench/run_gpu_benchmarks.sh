@@ -32,8 +32,11 @@ run() {  # NAME GPUS COMMAND...: --out OUTDIR/NAME_<tag>.json is added unless NO
   timeout "${LIMIT:-600}" "$@" 2>&1 | grep -v Warning | tee "$base.log" | tail -25
 }
 want() { [[ $part == "$1" || $part == all ]]; }
+# the two isolated measurements the A/Bs repeat: the student's compiled step (batch 4), the teacher alone
+student_step=(python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4)
+teacher_alone=(python3 bench/prepare_throughput.py --modes compile --batches 2 --skip decode,read)
 if want student; then  # the isolated step, then the shipped config end to end
-  run train_throughput 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4
+  run train_throughput 1 "${student_step[@]}"
   LIMIT=1500 run e2e_throughput 1 python3 bench/e2e_throughput.py --sources prepared --videos 24 --steps 16 \
     --warmup-steps 4 --work /tmp/taehv-e2e-student
 fi
@@ -46,10 +49,8 @@ if [[ $part == micro_batch ]]; then  # the shipped micro-batch of 4 against 2: i
 fi
 if [[ $part == teacher_norm ]]; then  # the teacher alone, its GroupNorms' statistics in one read or two, alternated
   for round in 1 2; do
-    run "prepare_throughput_one_pass_norm_$round" 1 python3 bench/prepare_throughput.py --modes compile --batches 2 \
-      --skip decode,read
-    TAEHV_FAST_PATHS_OFF=one_pass_norm run "prepare_throughput_two_pass_norm_$round" 1 python3 \
-      bench/prepare_throughput.py --modes compile --batches 2 --skip decode,read
+    run "prepare_throughput_one_pass_norm_$round" 1 "${teacher_alone[@]}"
+    TAEHV_FAST_PATHS_OFF=one_pass_norm run "prepare_throughput_two_pass_norm_$round" 1 "${teacher_alone[@]}"
   done
 fi
 if [[ $part == teacher_norm_e2e ]]; then  # the same A/B through `taehv prepare --local`: one pass, two, one again
@@ -60,22 +61,20 @@ if [[ $part == teacher_norm_e2e ]]; then  # the same A/B through `taehv prepare 
 fi
 if [[ $part == cudnn_all ]]; then  # the isolated step: cuDNN timing torch's default 10 candidates, then all
   for limit in 10 0; do
-    run "train_step_cudnn_limit_$limit" 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4 \
-      --cudnn-benchmark-limit "$limit"
+    run "train_step_cudnn_limit_$limit" 1 "${student_step[@]}" --cudnn-benchmark-limit "$limit"
   done
 fi
 # Inductor tuning each Triton kernel's block sizes (coordinate descent), or not; each on a compile cache of its own
 if [[ $part == teacher_coordinate_descent ]]; then  # the teacher alone
   for cd in 0 1; do
     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$cd TORCHINDUCTOR_CACHE_DIR=/tmp/taehv-cd-$cd run \
-      "prepare_throughput_coordinate_descent_$cd" 1 python3 bench/prepare_throughput.py --modes compile --batches 2 \
-      --skip decode,read --warmup 2 --iters 6
+      "prepare_throughput_coordinate_descent_$cd" 1 "${teacher_alone[@]}" --warmup 2 --iters 6
   done
 fi
 if [[ $part == student_coordinate_descent ]]; then  # the student's isolated step
   for cd in 0 1; do
     TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=$cd TORCHINDUCTOR_CACHE_DIR=/tmp/taehv-cd-$cd run \
-      "train_step_coordinate_descent_$cd" 1 python3 bench/train_throughput.py --variants compile_cl_graphs --batch 4
+      "train_step_coordinate_descent_$cd" 1 "${student_step[@]}"
   done
 fi
 if want starts; then  # the shipped config through the command: cold (compiled aside), warm; cold, in the rank
@@ -99,8 +98,7 @@ if want kernels; then
   run relu_grad_throughput 1 python3 bench/relu_grad_throughput.py --sweep
 fi
 if want teacher; then  # the teacher alone, then `taehv prepare --local` cold and warm on one compile cache
-  run prepare_throughput 1 python3 bench/prepare_throughput.py --modes compile --batches 2 --skip decode,read \
-    --profile compile:2 --trace "$out/trace_teacher_$(tag 1).json.gz"
+  run prepare_throughput 1 "${teacher_alone[@]}" --profile compile:2 --trace "$out/trace_teacher_$(tag 1).json.gz"
   for start in cold warm; do
     LIMIT=1500 run "prepare_e2e_$start" 1 python3 bench/prepare_e2e.py --videos 64 --work /tmp/taehv-prepare-e2e
   done
