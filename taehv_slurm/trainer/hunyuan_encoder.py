@@ -115,9 +115,9 @@ class GroupNorm(nn.GroupNorm):
         if FAST_PATHS["one_pass_norm"]:
             channel_var, channel_mean = torch.var_mean(xf, dims, correction=0)
             channel_mean = channel_mean.view(n, groups, per_group)
-            mean = channel_mean.mean(-1, keepdim=True)
-            var = channel_var.view(n, groups, per_group).mean(-1) + (channel_mean - mean).square().mean(-1)
-            mean = mean.squeeze(-1)
+            mean = channel_mean.mean(-1)
+            var = (channel_var.view(n, groups, per_group).mean(-1)
+                   + (channel_mean - mean.unsqueeze(-1)).square().mean(-1))
         else:
             count = per_group * x[0, 0].numel()
             mean = xf.sum(dims).view(n, groups, per_group).sum(-1).div(count)
