@@ -103,14 +103,18 @@ def test_end_to_end_throughput_smoke(tmp_path: Path) -> None:
 def test_suite_cpu_gives_each_test_the_cpu_of_the_processes_started_under_it(tmp_path: Path) -> None:
     # A process counts for the test it started under (pytest's PYTEST_CURRENT_TEST in its environment, which
     # a test's subprocesses and their Slurm ranks inherit): the command for this test, its child for another.
-    child = ("import os, subprocess, sys; subprocess.run([sys.executable, '-c', 'sum(range(40_000_000))'], "
+    # The grandchild burns 1.5 CPU seconds by its own clock, whatever the machine's speed; polling every 0.3 s
+    # loses under 0.3 s of it.
+    burn = "import time\nwhile time.process_time() < 1.5: pass"
+    child = (f"import os, subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}], "
              "env={**os.environ, 'PYTEST_CURRENT_TEST': 'tests/test_x.py::test_y (call)'})")
     out = tmp_path / "cpu.json"
     run = subprocess.run([sys.executable, "bench/suite_cpu.py", "--out", str(out), "--", sys.executable, "-c",
                           child], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert run.returncode == 0 and f"wrote {out}" in run.stdout, run.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert result["by_test"]["tests/test_x.py::test_y"] > 0.3 and result["by_module"]["tests/test_x.py"] > 0.3
+    assert result["by_test"]["tests/test_x.py::test_y"] >= 1.2
+    assert result["by_module"]["tests/test_x.py"] >= 1.2
     assert os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0] in result["by_test"]
 
 
