@@ -31,7 +31,7 @@ from taehv_slurm.common.machine import gpus_here, host_memory_here
 from taehv_slurm.common.messages import first_line
 from taehv_slurm.common.plan import GPU_MEMORY_HEADROOM, ScalePlan
 from taehv_slurm.common.runfolder import RunFolder
-from taehv_slurm.common.train_config import missing_data_folder
+from taehv_slurm.common.train_config import CPU_TRAIN_CONFIG, missing_data_folder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.provenance import read_attempts
 
@@ -165,6 +165,8 @@ def memory_rows(cluster: ClusterConfig, train: TrainConfig, plan: ScalePlan) -> 
     else:
         fix = ("lower batch.per_gpu, data.height/width or the ranks per node" if device == "cpu"
                else "raise mem_gb, or lower data.num_workers")
+        if device == "cpu" and train.name != Path(CPU_TRAIN_CONFIG).stem:  # a GPU config here, no GPU
+            fix += f", or train the CPU-sized config: --train {CPU_TRAIN_CONFIG}"
         rows.append(Row("host memory", "FAIL", f"{what} but {source} has {total:.0f} GB: {fix}"))
     return rows
 

@@ -117,6 +117,22 @@ def test_every_problem_of_a_submit_at_once(tmp_path: Path) -> None:
     assert not job_dir.exists()  # not even the job folder
 
 
+def test_the_shipped_gpu_config_on_a_machine_without_one_names_the_cpu_config(tmp_path: Path) -> None:
+    # `taehv submit --local` as typed, from an empty folder of a machine without a GPU (the batch raised so
+    # that any machine's memory is too small); the fix it prints then runs.
+    job_dir = tmp_path / "runs"
+    done = cli("jobs.submit", "--local", "--set", f"job_dir={job_dir}", "--set", "batch.per_gpu=1024",
+               "--skip-data-checks", cwd=tmp_path, env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2
+    (line,) = errors(done)
+    assert line.startswith("host memory: ") and line.endswith(
+        "or the ranks per node, or train the CPU-sized config: --train configs/train/tiny.yaml"), line
+    assert not job_dir.exists()
+    fixed = cli("jobs.submit", "--local", "--train", "configs/train/tiny.yaml", "--set", f"job_dir={job_dir}",
+                "--dry-run", cwd=tmp_path)
+    assert fixed.returncode == 0 and check_rows(fixed)["host memory"][0][0] == "PASS"
+
+
 def test_names_machines_and_config_files(tmp_path: Path) -> None:
     job_dir = tmp_path / "runs"
     done = local(job_dir, "--name", "../../escape")

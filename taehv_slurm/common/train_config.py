@@ -20,6 +20,8 @@ from taehv_slurm.common.typed_yaml import check
 
 # What the data and teacher settings accept (checked here, used by the trainer, preflight and taehv prepare).
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mkv", ".mov")
+# The shipped CPU-sized config (its `name` is its file's stem): what trains on a machine without a GPU.
+CPU_TRAIN_CONFIG = "configs/train/tiny.yaml"
 TeacherKind = Literal["none", "hunyuanvideo", "cogvideox", "wan"]
 # the video VAEs (none: latents from shards)
 TEACHER_KINDS: tuple[str, ...] = typing.get_args(TeacherKind)[1:]
