@@ -5,7 +5,9 @@
 - `jobs.status` run from another process shows a running local job as RUNNING;
 - `jobs.cancel` and Ctrl-C stop a local run the way a preemption does on Slurm: every rank saves at its
   next step, the job ends CANCELLED, and the same --name resumes from the saved step;
-- a rank that dies takes the job down at once (srun's --kill-on-bad-exit), naming that rank.
+- a rank that dies takes the job down at once (srun's --kill-on-bad-exit), naming that rank;
+- a closed terminal (SIGHUP to the command's process group) leaves the run training; `jobs.logs --follow`
+  follows it again to its end and `jobs.cancel` stops it with a save.
 """
 
 from __future__ import annotations
@@ -29,14 +31,17 @@ TRAIN = ["--train", "configs/train/tiny.yaml"]
 
 
 
-def start(job_dir: Path, name: str, *sets: str, flags: tuple[str, ...] = ()) -> subprocess.Popen:
+def start(job_dir: Path, name: str, *sets: str, flags: tuple[str, ...] = (),
+          own_session: bool = False) -> subprocess.Popen:
     argv = [sys.executable, "-m", "jobs.submit", "--local", *TRAIN, "--name", name, *flags,
             "--set", f"job_dir={job_dir}",
             "--set", "intervals.log_every=1", *[a for s in sets for a in ("--set", s)]]
     # As a terminal's foreground job: SIGINT at its default action. Under a shell that started the tests
     # in the background it is ignored, and an ignored signal stays ignored across exec (Ctrl-C would be lost).
+    # `own_session`: as a login shell's, whose terminal signals its whole process group.
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            start_new_session=own_session)
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -95,6 +100,36 @@ def test_status_running_then_cancel_saves_and_the_name_resumes(tmp_path: Path) -
     rows = json.loads(cli("jobs.status", "--job-dir", str(tmp_path), "--format", "json").stdout)
     (resumed_row,) = [r for r in rows if r["run"] == "cancelled" and r["job_id"] != job_id]
     assert 0 < resumed_row["ettr"] <= 1, resumed_row
+
+
+def test_a_closed_terminal_leaves_the_run_going_to_follow_again_and_cancel(tmp_path: Path) -> None:
+    # A dropped SSH connection: the terminal's SIGHUP ends the command that followed the run, not the run
+    # (its controller and ranks run in their own session, their output in the run's logs), as a Slurm job
+    # outlives the shell that submitted it.
+    run_dir = tmp_path / "detached"
+    proc = start(tmp_path, "detached", "steps=300", own_session=True)
+    wait_for(lambda: len(train_steps(run_dir)) >= 3, 240, "step 3")
+    os.killpg(proc.pid, signal.SIGHUP)  # the terminal's hangup, to every process of its group
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGHUP
+    job_id = events(run_dir)[0]["job_id"]
+    trained = len(train_steps(run_dir))
+    wait_for(lambda: len(train_steps(run_dir)) >= trained + 3, 240, "three more steps without the command")
+    status = cli("jobs.status", job_id, "--job-dir", str(tmp_path))
+    assert status.returncode == 0 and " RUNNING " in status.stdout, status.stdout + status.stderr
+    # from a new terminal: follow it again, stop it with a save
+    follow = subprocess.Popen([sys.executable, "-m", "jobs.logs", job_id, "--follow", "--job-dir",
+                               str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    assert cli("jobs.cancel", job_id, "--job-dir", str(tmp_path)).returncode == 0
+    out, err = follow.communicate(timeout=120)
+    (stop,) = [e for e in events(run_dir) if e["event"] == "cancelled"]
+    assert follow.returncode == 0, out[-2000:] + err[-2000:]
+    # it streamed to the job's end: the save at the cancel, then the state
+    assert f"rank 0: saved step {stop['step']}; the job was cancelled" in out
+    assert out.rstrip().endswith(f"job {job_id} ended: CANCELLED")
+    assert "CANCELLED" in cli("jobs.status", job_id, "--job-dir", str(tmp_path)).stdout
+    assert (RunFolder(run_dir).checkpoints / f"step_{stop['step']:08d}").is_dir()
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
