@@ -36,12 +36,16 @@ def start(job_dir: Path, name: str, *sets: str, flags: tuple[str, ...] = (),
     argv = [sys.executable, "-m", "jobs.submit", "--local", *TRAIN, "--name", name, *flags,
             "--set", f"job_dir={job_dir}",
             "--set", "intervals.log_every=1", *[a for s in sets for a in ("--set", s)]]
-    # As a terminal's foreground job: SIGINT at its default action. Under a shell that started the tests
-    # in the background it is ignored, and an ignored signal stays ignored across exec (Ctrl-C would be lost).
-    # `own_session`: as a login shell's, whose terminal signals its whole process group.
+    # As a terminal's foreground job: SIGINT and SIGHUP at their default actions. Under a shell that
+    # started the tests in the background (or under nohup) they are ignored, and an ignored signal stays
+    # ignored across exec (Ctrl-C, a closed terminal would be lost). `own_session`: as a login shell's,
+    # whose terminal signals its whole process group.
+    def as_a_terminals_job() -> None:
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+
     return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                            start_new_session=own_session)
+                            preexec_fn=as_a_terminals_job, start_new_session=own_session)
 
 
 def events(run_dir: Path) -> list[dict]:
