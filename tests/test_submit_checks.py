@@ -128,8 +128,9 @@ def test_the_shipped_gpu_config_on_a_machine_without_one_names_the_cpu_config(tm
     assert line.startswith("host memory: ") and line.endswith(
         "or the ranks per node, or train the CPU-sized config: --train configs/train/tiny.yaml"), line
     assert not job_dir.exists()
-    fixed = cli("jobs.submit", "--local", "--train", "configs/train/tiny.yaml", "--set", f"job_dir={job_dir}",
-                "--dry-run", cwd=tmp_path)
+    printed_fix = line.rsplit(": ", 1)[1].split()  # run as printed
+    fixed = cli("jobs.submit", "--local", *printed_fix, "--set", f"job_dir={job_dir}", "--dry-run",
+                cwd=tmp_path)
     assert fixed.returncode == 0 and check_rows(fixed)["host memory"][0][0] == "PASS"
 
 
