@@ -171,7 +171,8 @@ def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str,
                        events: Sequence[Mapping[str, Any]], accounting: Sequence[Mapping[str, Any]]) -> None:
     """Number the attempts inside one allocation (`launch`) and give them its node-seconds: each from its
     start to the next one's × the nodes held then, the last what is left of the allocation (sacct's Elapsed
-    × NNodes summed over its sizes, where there is accounting; else its own span)."""
+    × NNodes summed over its sizes, where there is accounting, and never less than its own span; else its
+    own span)."""
     allocations = _allocations(accounting)
     groups: dict[tuple[str, int], list[int]] = {}
     for i, start in enumerate(starts):
@@ -188,8 +189,11 @@ def _share_allocations(rows: list[dict[str, Any]], starts: Sequence[Mapping[str,
             requeue = next((e for e in events if e["event"] == "requeue" and e["time"] >= last["began"]
                             and e.get("job_id") == starts[members[-1]].get("job_id")), None)
             total = _node_seconds(records, requeue["time"] if requeue is not None else None)
-            rows[members[-1]]["allocated_node_s"] = round(
-                max(0.0, total - sum(rows[i]["allocated_node_s"] for i in members[:-1])), 1)
+            # at least its own span: a running job's Elapsed is sacct's at its answer, and the run's files,
+            # read after it (a slow squeue between them), may hold steps trained since
+            last["allocated_node_s"] = round(
+                max(last["allocated_node_s"], total - sum(rows[i]["allocated_node_s"] for i in members[:-1])),
+                1)
         for i in members:
             productive = rows[i]["productive_node_s"]
             rows[i]["ettr"] = (round(productive / rows[i]["allocated_node_s"], 4)

@@ -11,6 +11,7 @@ import contextlib
 import io
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -129,16 +130,19 @@ class JobHandle:
         longer after each look that found nothing new, up to `max_poll_s` (default $TAEHV_POLL_MAX_S, 30 s)
         on Slurm; a job's state is asked with every other handle's (one squeue call for them all).
         The progress display is a bar updated in place in a notebook, tqdm in a terminal, and one plain
-        line per change otherwise (logs, CI).
+        line per change otherwise (logs, CI). Where the Slurm controller stops answering, it waits on the
+        job's accounting, with a note on stderr (and another once the controller answers again).
         """
         from taehv_slurm.reports import Progress
 
         display = Progress(f"job {self.job_id}", self.total_steps, enabled=progress)
         backoff = self.backoff(poll_s, max_poll_s)
-        start, seen = time.monotonic(), None
+        start, seen, silence = time.monotonic(), None, jobstates.SilenceWatch()
         try:
             while True:
                 state = self.state
+                if note := silence.change():
+                    print(f"note: {note}", file=sys.stderr, flush=True)
                 step = self.last_step()
                 now = (state, step, len(self.interruptions()))
                 display.update(*now)

@@ -8,7 +8,9 @@ answers serve every question for STATE_MAX_AGE_S, or for a whole command inside 
 given to a job (cancel, requeue) drops what was known of it (`forget`): the next question asks again.
 Loops that poll wait longer while nothing changes (`Backoff`, up to $TAEHV_POLL_MAX_S, 30 s): a sweep of
 twenty jobs followed for two minutes costs about ten squeue calls, where one call per job every 2 s cost
-1,200. The commands themselves are taehv_slurm.slurm's.
+1,200. Where the controller does not answer squeue (down, restarting, overloaded), every job asked about
+is answered from accounting, and `controller_silence` says so in one line for the commands to print. The
+commands themselves are taehv_slurm.slurm's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class _Answers:
         self.accounting: dict[str, tuple[float, list[dict[str, Any]]]] = {}
         self.watched: dict[str, weakref.WeakSet] = {}
         self.held_since: float | None = None
+        self.unanswered: str | None = None  # squeue's error at its latest call; None: it answered
         self.lock = threading.RLock()
 
     def fresh(self, table: Mapping[str, tuple[float, Any]], job_id: str, max_age_s: float) -> bool:
@@ -120,8 +123,37 @@ def queue_states(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> 
             for chunk in _chunks(ask):
                 listed = slurm.squeue_states(chunk)
                 now = time.monotonic()
+                _ANSWERS.unanswered = listed.error if isinstance(listed, slurm.Answer) else None
+                if isinstance(listed, slurm.Answer):  # none listed: their accounting answers instead
+                    listed = {}
                 _ANSWERS.queue.update({j: (now, listed.get(j)) for j in chunk})
         return {j: _ANSWERS.queue[j][1] for j in job_ids}
+
+
+def controller_silence() -> str | None:
+    """One line where the latest squeue call got no answer from the Slurm controller (down, restarting,
+    overloaded), None where it answered: the states since then are Slurm's accounting, which the controller
+    keeps up to date and which lags while it is out of reach."""
+    if (error := _ANSWERS.unanswered) is None:
+        return None
+    return (f"squeue got no answer from the Slurm controller ({error}): job states come from Slurm's "
+            "accounting (sacct) until it answers, and may lag (UNKNOWN where there is none); `scontrol ping` "
+            "says whether the controller is up")
+
+
+class SilenceWatch:
+    """For a loop that polls: the line to print when the controller stops answering squeue, and when it
+    answers again, each once per change."""
+
+    def __init__(self) -> None:
+        self.silent = False
+
+    def change(self) -> str | None:
+        note = controller_silence()
+        was, self.silent = self.silent, note is not None
+        if self.silent and not was:
+            return note
+        return "the Slurm controller answers squeue again" if was and not self.silent else None
 
 
 def accounting(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> dict[str, list[dict[str, Any]]]:

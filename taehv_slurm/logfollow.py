@@ -6,7 +6,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, TextIO
 
-from taehv_slurm import slurm
+from taehv_slurm import jobstates, slurm
 
 if TYPE_CHECKING:
     from taehv_slurm.handle import JobHandle
@@ -18,13 +18,15 @@ class LogFollower:
     so following keeps going across requeues. hide_tracebacks: no tracebacks and no submitit notes, for
     a caller that prints the error once at the end, naming the log that holds the full text. The log is
     read at every step; the job's state is asked again after `poll_s`, later while neither it nor the log
-    changes (`JobHandle.wait`'s rhythm)."""
+    changes (`JobHandle.wait`'s rhythm). Where the Slurm controller stops answering, and again where it
+    answers, a note says so on stderr: the log goes on, the job's state is its accounting's meanwhile."""
 
     def __init__(self, handle: JobHandle, rank: int = 0, position: int = 0,
                  hide_tracebacks: bool = False, poll_s: float = 1.0) -> None:
         self.handle, self.path, self.position = handle, handle.log_path(rank), position
         self.filter = _TracebackFilter() if hide_tracebacks else None
         self.backoff, self.state, self.due = handle.backoff(poll_s), "", 0.0
+        self.silence = jobstates.SilenceWatch()
 
     def run(self, out: TextIO | None = None, poll_s: float = 1.0) -> str:
         out = out or sys.stdout
@@ -38,6 +40,8 @@ class LogFollower:
         if time.monotonic() >= self.due:
             state, self.state = self.state, self.handle.state
             self.due = time.monotonic() + self.backoff.after(state != self.state)
+            if note := self.silence.change():
+                print(f"note: {note}", file=sys.stderr, flush=True)
         if self.path.exists():
             with self.path.open("rb") as f:
                 if f.seek(0, 2) < self.position:  # truncated or replaced (never by Slurm's append mode)

@@ -67,6 +67,12 @@ def says_no_slurm(text: str) -> bool:
     return any(mark in text for mark in _NO_CONFIG_MARKS)
 
 
+def says_unknown_job(text: str) -> bool:
+    """Whether squeue's error means only that it lists none of the jobs asked about (every one of them
+    ended long ago or never was): an answer, not a failure to get one."""
+    return "Invalid job id" in text
+
+
 def is_final(state: str) -> bool:
     return (state.split() or ["?"])[0] in FINAL_STATES
 
@@ -197,10 +203,13 @@ def squeue_answer(job_id: str) -> Answer:
     return run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], timeout_s=30)
 
 
-def squeue_states(job_ids: Sequence[str]) -> dict[str, str]:
-    """One squeue call: the state of each of the jobs the controller lists (the others are not keys).
-    Array tasks are listed one by one (`-r`); an id Slurm does not know is left out."""
+def squeue_states(job_ids: Sequence[str]) -> dict[str, str] | Answer:
+    """One squeue call: the state of each of the jobs the controller lists (the others are not keys), or
+    the failed Answer where the controller did not answer. Array tasks are listed one by one (`-r`); an id
+    Slurm does not know is left out."""
     answer = run(["squeue", "-h", "-t", "all", "-r", "-j", ",".join(job_ids), "-o", "%i %T"], timeout_s=30)
+    if not answer.ok and not says_unknown_job(answer.error):
+        return answer
     listed: dict[str, str] = {}
     for line in answer.output.splitlines() if answer.ok else []:
         job_id, _, state = line.strip().partition(" ")

@@ -96,6 +96,16 @@ def cli(*args: str, cwd: Path = REPO, env: Mapping[str, str] | None = None,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def unreachable_controller_conf(folder: Path) -> Path:
+    """A copy of this Slurm's slurm.conf with nothing listening at its controller's port: Slurm's commands
+    given it find the controller out of reach, as while it is down, and accounting (slurmdbd) answers."""
+    conf = Path(os.environ["SLURM_CONF"]).read_text()
+    port = int(re.search(r"^SlurmctldPort=(\d+)", conf, re.M).group(1))
+    bad = folder / "unreachable.conf"
+    bad.write_text(re.sub(r"^SlurmctldPort=\d+", f"SlurmctldPort={port + 7}", conf, flags=re.M))
+    return bad
+
+
 def read_strictly(log: EventLog, missing_ok: bool = False) -> list[dict[str, Any]]:
     """Every line of a run file, through the library's reader, as a test needs it: a damaged line (which the
     reader skips with a warning) fails the test, and so does a missing file unless `missing_ok` ([])."""

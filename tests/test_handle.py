@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+import select
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from bench.faults import wait_for
+from taehv_slurm import jobstates
 from taehv_slurm.cli.watch import MetricsTail, progress_line
 from taehv_slurm.common.runfolder import EventLog, JobDir, RunFolder
 from taehv_slurm.handle import JobHandle
@@ -43,6 +45,7 @@ from tests.helpers import (
     quick_train,
     read_strictly,
     tiny_train,
+    unreachable_controller_conf,
     wait_done,
 )
 from tests.tasks import CrashAfterStart
@@ -89,7 +92,8 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
     submitted = Jobs(
         job_dir=job_dir,
         train=submit_training(two, tiny_train(steps=TRAIN_STEPS, **steady), "observed")[0],
-        doomed=submit_training(one, quick_train(steps=100_000, **{"intervals.log_every": 1}), "doomed")[0],
+        doomed=submit_training(one, quick_train(steps=100_000, **{"intervals.log_every": 1,
+                                                                  "intervals.ckpt_every": 10}), "doomed")[0],
         crash=submit(CrashAfterStart(),
                      make_cluster(job_dir, nodes=1, gpus_per_node=1, requeue_on_failure=False), "crash"),
     )
@@ -156,6 +160,48 @@ def test_running_job_through_handle_and_clis(jobs: Jobs) -> None:
     train.requeue()
     jobs.notes["requeued_at"] = time.time()
     wait_for(lambda: len(train.requeues) == 1, 120, "the requeue event")
+
+
+def test_status_logs_and_wait_go_on_from_accounting_while_the_controller_is_out_of_reach(
+        jobs: Jobs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The user's commands pointed at a controller that does not answer (as while slurmctld is down or
+    restarting; accounting still answers): status shows the running job from accounting, with ETTR from
+    accounting's elapsed time and the steps its files hold, and every command says once why."""
+    doomed = jobs.doomed
+    wait_for(lambda: (RunFolder(doomed.run_dir).checkpoints / "latest").exists(), 300,
+             "the long job's first save")
+    away = {"SLURM_CONF": str(unreachable_controller_conf(tmp_path))}
+    follower = subprocess.Popen([sys.executable, "-m", "jobs.logs", doomed.job_id, "--follow",
+                                 "--job-dir", str(jobs.job_dir)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO), **away})
+    try:
+        status = cli("jobs.status", doomed.job_id, "--format", "json", "--job-dir", str(jobs.job_dir),
+                     env=away)
+        (row,) = json.loads(status.stdout)
+        # sacct answered first, the files were read after squeue gave up (about 18 s): trained on meanwhile
+        assert row["state"] == "RUNNING" and 0 < row["ettr"] <= 1, row
+        (note,) = [line for line in status.stderr.splitlines() if line.startswith("note: ")]
+        assert "squeue got no answer from the Slurm controller (" in note, note
+        assert "Unable to contact slurm controller" in note and "`scontrol ping`" in note
+        # Following the log: the same note (its first squeue gave up while the status above waited).
+        assert select.select([follower.stderr], [], [], 60)[0], "no note from jobs.logs --follow in 60 s"
+        first = follower.stderr.readline()
+        assert first.startswith("note: squeue got no answer from the Slurm controller"), first
+    finally:
+        follower.kill()
+        follower.wait()
+    # JobHandle.wait: on accounting meanwhile, one note; then, the controller answering again, another.
+    monkeypatch.setenv("SLURM_CONF", away["SLURM_CONF"])
+    step = doomed.last_step() or 0
+    assert doomed.wait(until_step=step + 5, timeout_s=120, poll_s=0.5, progress=False) == "RUNNING"
+    assert capsys.readouterr().err.count("note: squeue got no answer from the Slurm controller") == 1
+    watch = jobstates.SilenceWatch()
+    assert watch.change() is not None and watch.change() is None  # said once while it lasts
+    monkeypatch.undo()
+    assert jobstates.job_states([doomed.job_id], max_age_s=0)[doomed.job_id] == "RUNNING"
+    assert watch.change() == "the Slurm controller answers squeue again" and watch.change() is None
+    assert jobstates.controller_silence() is None
 
 
 # ---------------------------------------------------------------------------- CANCELLED, FAILED

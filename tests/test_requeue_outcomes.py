@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -46,7 +45,15 @@ from taehv_slurm.executor import make_executor
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.runtime.requeue import NotRequeueableError, RequeueableTask
 from taehv_slurm.submission import RunBusyError, submit
-from tests.helpers import REPO, events, make_cluster, metrics, quick_train, wait_done
+from tests.helpers import (
+    REPO,
+    events,
+    make_cluster,
+    metrics,
+    quick_train,
+    unreachable_controller_conf,
+    wait_done,
+)
 from tests.tasks import CountingTask, NeverPolls, train_with_the_context
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -70,10 +77,7 @@ def one_line(text: str) -> str:
 
 def unreachable_scontrol(folder: Path) -> Path:
     """The real scontrol, pointed at a controller port where nothing listens."""
-    conf = Path(os.environ["SLURM_CONF"]).read_text()
-    port = int(re.search(r"^SlurmctldPort=(\d+)", conf, re.M).group(1))
-    bad = folder / "unreachable.conf"
-    bad.write_text(re.sub(r"^SlurmctldPort=\d+", f"SlurmctldPort={port + 7}", conf, flags=re.M))
+    bad = unreachable_controller_conf(folder)
     wrapper = folder / "scontrol"
     wrapper.write_text(f"#!/bin/sh\nSLURM_CONF={bad} exec {shutil.which('scontrol')} \"$@\"\n")
     wrapper.chmod(0o755)

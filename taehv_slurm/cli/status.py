@@ -8,7 +8,8 @@ Without a job id: the last 20 runs of the job_dir's registry (every run with --a
 defaults to $TAEHV_JOB_DIR, else `runs`. --accounting shows each attempt (the first run and every
 requeue): state, exit code, elapsed, nodes, GPUs, max RSS. --goodput shows each attempt's allocated
 node-seconds, time to first step, steps kept, work lost, time in saves and ETTR (productive /
-allocated).
+allocated). Where the Slurm controller does not answer, the states are Slurm's accounting, with a note
+on stderr that says so.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import os
 import sys
 
+from taehv_slurm import jobstates
 from taehv_slurm.cli.conventions import add_job_dir, one_line_errors
 from taehv_slurm.common.messages import command
 from taehv_slurm.common.runfolder import REGISTRY
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.goodput or args.accounting) and args.format == "table":
         print(status_table(handles))  # text only: no pandas
-        return 0
+        return _note_silence()
     if args.goodput:
         import pandas as pd
 
@@ -66,6 +68,14 @@ def main(argv: list[str] | None = None) -> int:
               "(sacct: 'Slurm accounting storage is disabled' means the cluster keeps none)")
         return 0
     print(render(frame, args.format))
+    return _note_silence()
+
+
+def _note_silence() -> int:
+    """A line on stderr where squeue got no answer: the states shown are accounting's (the output on
+    stdout stays a table, CSV or JSON)."""
+    if note := jobstates.controller_silence():
+        print(f"note: {note}", file=sys.stderr)
     return 0
 
 
