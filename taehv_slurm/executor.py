@@ -27,7 +27,7 @@ from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.bytecode import COMPILE_CACHE_ENV
 from taehv_slurm.runtime.distenv import INHERITED_LAUNCHER_VARS
 from taehv_slurm.runtime.steps import JOB_ENDING_ENV, LAUNCH_ENV, RESTART_EXIT_CODE, STEP_LOOP_ENV
-from taehv_slurm.slurm import NO_SLURM_HINT, SCONTROL_ENV, says_no_slurm
+from taehv_slurm.slurm import NO_SLURM_HINT, SCONTROL_ENV, munge_trouble, says_no_slurm
 
 RELAY_LINGER_MARGIN_S = 30  # the relay outlives a batch script a signal ended by KillWait + this
 CONTROLLER_START_S = 120  # the setup lines (module loads, a venv) run before the local controller starts
@@ -275,6 +275,8 @@ def describe_sbatch_error(text: str) -> str:
     """sbatch's own error line plus the fix, from the error text submitit collected."""
     if says_no_slurm(text):
         return NO_SLURM_HINT
+    if trouble := munge_trouble(text):
+        return f"sbatch could not submit the job: {trouble}"
     lines = [ln.strip() for ln in text.splitlines() if "error:" in ln.lower()]
     reason = (lines[-1].split("error:", 1)[-1].strip() if lines
               else text.strip().splitlines()[-1] if text.strip() else "unknown")

@@ -136,9 +136,8 @@ def controller_silence() -> str | None:
     keeps up to date and which lags while it is out of reach."""
     if (error := _ANSWERS.unanswered) is None:
         return None
-    return (f"squeue got no answer from the Slurm controller ({error}): job states come from Slurm's "
-            "accounting (sacct) until it answers, and may lag (UNKNOWN where there is none); `scontrol ping` "
-            "says whether the controller is up")
+    return (f"squeue failed ({error}): job states come from Slurm's accounting (sacct) until it answers, and "
+            "may lag (UNKNOWN where there is none); `scontrol ping` says whether the controller is up")
 
 
 class SilenceWatch:

@@ -67,6 +67,19 @@ def says_no_slurm(text: str) -> bool:
     return any(mark in text for mark in _NO_CONFIG_MARKS)
 
 
+_MUNGE_ENCODE_FAILED = re.compile(r"Munge encode failed: (.+)")
+
+
+def munge_trouble(text: str) -> str | None:
+    """One line where a Slurm command's error output says it could not sign its request with munge (munged
+    not running on this machine, or its socket not inside this container), naming the fix; else None."""
+    if match := _MUNGE_ENCODE_FAILED.search(text):
+        return (f"Slurm's commands here cannot reach munged ({match.group(1).strip()}): start munged on this "
+                "machine (`systemctl start munge`), or in a container mount the host's munge socket folder "
+                "(e.g. `-v /run/munge:/run/munge`)")
+    return None
+
+
 def says_unknown_job(text: str) -> bool:
     """Whether squeue's error means only that it lists none of the jobs asked about (every one of them
     ended long ago or never was): an answer, not a failure to get one."""
@@ -151,6 +164,8 @@ def run_here(argv: Sequence[str], timeout_s: float = 60, survive_term: bool = Fa
     if process.returncode != 0:
         if says_no_slurm(stderr):
             return Answer(False, stdout, NO_SLURM_HINT)
+        if trouble := munge_trouble(stderr):
+            return Answer(False, stdout, trouble)
         lines = (stderr or stdout).strip().splitlines()
         return Answer(False, stdout, lines[-1].strip() if lines else f"exit code {process.returncode}")
     return Answer(True, stdout)

@@ -110,6 +110,29 @@ def test_missing_partition_on_the_command_line(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()  # a refused submit leaves no run folder
 
 
+@pytest.mark.usefixtures("slurm_cluster")
+def test_slurm_commands_that_cannot_reach_munged_are_one_line(tmp_path: Path) -> None:
+    """A login node whose munged is down, or a container without the host's munge socket: every Slurm
+    command fails to sign its request, and the last of sbatch's four lines ('Protocol authentication
+    error') names neither munge nor the fix."""
+    conf = Path(os.environ["SLURM_CONF"]).read_text()
+    assert re.search(r"^AuthInfo=", conf, re.M)
+    munge_socket = tmp_path / "munge" / "munge.socket.2"
+    conf = re.sub(r"^(AuthInfo=.*)$", rf"\1,socket={munge_socket}", conf, flags=re.M)
+    (tmp_path / "slurm.conf").write_text(conf)
+    shutil.copy(REPO / "configs/cluster/testbed.yaml", tmp_path / "cluster.yaml")
+    env = {"SLURM_CONF": str(tmp_path / "slurm.conf")}
+    code, err = run("jobs.submit", "--cluster", "cluster.yaml", "--task", "smoke", "--set", "job_dir=runs",
+                    cwd=tmp_path, env=env)
+    expected = documented("munge-unreachable").replace("$TMP", str(tmp_path))
+    assert code == 2 and err == expected
+    assert not (tmp_path / "runs").exists()  # nothing submitted, nothing left behind
+    preflight = cli("jobs.preflight", "--cluster", "cluster.yaml", "--nodes", "1", cwd=tmp_path, env=env)
+    rows = {line.split()[0]: line for line in preflight.stdout.splitlines() if line.strip()}
+    reason = expected.removeprefix("error: sbatch could not submit the job: ")
+    assert rows["partition"].split(None, 2)[1:] == ["FAIL", f"sinfo failed: {reason}"], preflight.stdout
+
+
 def test_no_slurm_here_is_one_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
     cases = [({**env, "PATH": str(tmp_path)}, documented("no-slurm")),  # no Slurm commands at all
