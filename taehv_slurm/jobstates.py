@@ -123,17 +123,18 @@ def queue_states(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> 
             for chunk in _chunks(ask):
                 listed = slurm.squeue_states(chunk)
                 now = time.monotonic()
-                _ANSWERS.unanswered = listed.error if isinstance(listed, slurm.Answer) else None
                 if isinstance(listed, slurm.Answer):  # none listed: their accounting answers instead
-                    listed = {}
+                    _ANSWERS.unanswered, listed = listed.error, {}
+                else:
+                    _ANSWERS.unanswered = None
                 _ANSWERS.queue.update({j: (now, listed.get(j)) for j in chunk})
         return {j: _ANSWERS.queue[j][1] for j in job_ids}
 
 
 def controller_silence() -> str | None:
-    """One line where the latest squeue call got no answer from the Slurm controller (down, restarting,
-    overloaded), None where it answered: the states since then are Slurm's accounting, which the controller
-    keeps up to date and which lags while it is out of reach."""
+    """One line where the latest squeue call failed (the controller down, restarting or overloaded; munge
+    out of reach), None where it answered: the states since then are Slurm's accounting, which the
+    controller keeps up to date and which lags while it is out of reach."""
     if (error := _ANSWERS.unanswered) is None:
         return None
     return (f"squeue failed ({error}): job states come from Slurm's accounting (sacct) until it answers, and "
@@ -141,8 +142,8 @@ def controller_silence() -> str | None:
 
 
 class SilenceWatch:
-    """For a loop that polls: the line to print when the controller stops answering squeue, and when it
-    answers again, each once per change."""
+    """For a loop that polls: the line to print when squeue stops answering, and when it answers again,
+    each once per change."""
 
     def __init__(self) -> None:
         self.silent = False
@@ -152,7 +153,7 @@ class SilenceWatch:
         was, self.silent = self.silent, note is not None
         if self.silent and not was:
             return note
-        return "the Slurm controller answers squeue again" if was and not self.silent else None
+        return "squeue answers again" if was and not self.silent else None
 
 
 def accounting(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> dict[str, list[dict[str, Any]]]:

@@ -200,7 +200,7 @@ def test_status_logs_and_wait_go_on_from_accounting_while_the_controller_is_out_
     assert watch.change() is not None and watch.change() is None  # said once while it lasts
     monkeypatch.undo()
     assert jobstates.job_states([doomed.job_id], max_age_s=0)[doomed.job_id] == "RUNNING"
-    assert watch.change() == "the Slurm controller answers squeue again" and watch.change() is None
+    assert watch.change() == "squeue answers again" and watch.change() is None
     assert jobstates.controller_silence() is None
 
 
