@@ -47,7 +47,7 @@ def attempt_rows(events: Sequence[Mapping[str, Any]], train_rows: Sequence[Mappi
                  ranks_per_node: int | None = None) -> list[dict[str, Any]]:
     """One row per attempt of one job (see the module docstring), `began` and `ended` in epoch seconds.
     `nodes`: the nodes the job holds (spares included); `final_step`: the run's latest checkpoint;
-    `accounting`: sacct's records of the job (`slurm.sacct_records`; empty where there are none);
+    `accounting`: sacct's records of the job (`sacct.sacct_records`; empty where there are none);
     `ranks_per_node`: productive node-seconds count the nodes an attempt trained on (its world size over
     this), not its spares nor a failed node it left out; None: all `nodes`."""
     starts = [e for e in events if e["event"] == "start"]

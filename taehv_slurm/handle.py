@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from taehv_slurm import jobstates, slurm
+from taehv_slurm import jobstates, sacct, slurm
 from taehv_slurm.backends import backend_named
 from taehv_slurm.common.config import ClusterConfig, load_cluster
 from taehv_slurm.common.runfolder import RunFolder
@@ -339,10 +339,10 @@ class JobHandle:
         slurmdbd records a job's end a moment after squeue shows it: for up to `settle_s` seconds this
         waits until the accounting agrees that an ended job ended.
         """
-        return slurm.sacct_frame(self.job_id, records=self._accounting_records(settle_s))
+        return sacct.sacct_frame(self.job_id, records=self._accounting_records(settle_s))
 
     def _accounting_records(self, settle_s: float = 10.0) -> list[dict[str, Any]]:
-        """`accounting()` as sacct's records (`slurm.sacct_records`), without pandas: the process's
+        """`accounting()` as sacct's records (`sacct.sacct_records`), without pandas: the process's
         answer (taehv_slurm.jobstates), asked again while it lags behind squeue."""
         chain = self.chain()  # every job of the run's attempts
         records = [r for j in chain for r in jobstates.accounting(chain)[j]]
@@ -354,7 +354,7 @@ class JobHandle:
         return records
 
     def _accounting_behind(self, records: list[dict[str, Any]]) -> bool:
-        state = slurm.last_state(self.current_job_id, records)
+        state = sacct.last_state(self.current_job_id, records)
         if state is None or slurm.is_final(state):
             return False  # no accounting here (or no record at all), or it has the end already
         current = self.current_job_id

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from taehv_slurm import slurm
+from taehv_slurm import sacct, slurm
 
 STATE_MAX_AGE_S = 0.5  # an answer serves every question about the job within this long
 POLL_MAX_ENV = "TAEHV_POLL_MAX_S"  # the longest wait between two polls of jobs that do not change
@@ -68,7 +68,7 @@ class _Answers:
     def ended(self, job_id: str) -> bool:
         if job_id not in self.queue or self.queue[job_id][1] is not None or job_id not in self.accounting:
             return False
-        return slurm.is_final(slurm.last_state(job_id, self.accounting[job_id][1]) or "?")
+        return slurm.is_final(sacct.last_state(job_id, self.accounting[job_id][1]) or "?")
 
 
 _ANSWERS = _Answers()
@@ -112,7 +112,7 @@ def job_states(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> di
         others = [j for j in _ANSWERS.watching() if _ANSWERS.queue.get(j, (0.0, "?"))[1] is None]
         if ask := _ANSWERS.stale(_ANSWERS.accounting, gone, max_age_s, also=others):
             _ask_sacct(ask)
-        return {j: listed[j] or slurm.last_state(j, _ANSWERS.accounting[j][1]) for j in job_ids}
+        return {j: listed[j] or sacct.last_state(j, _ANSWERS.accounting[j][1]) for j in job_ids}
 
 
 def queue_states(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> dict[str, str | None]:
@@ -157,7 +157,7 @@ class SilenceWatch:
 
 
 def accounting(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> dict[str, list[dict[str, Any]]]:
-    """`slurm.sacct_records` of each job, from one sacct call for every job asked and every watched one
+    """`sacct.sacct_records` of each job, from one sacct call for every job asked and every watched one
     whose accounting has aged (max_age_s=0: asked again now)."""
     with _ANSWERS.lock:
         if ask := _ANSWERS.stale(_ANSWERS.accounting, job_ids, max_age_s, also=_ANSWERS.watching()):
@@ -168,7 +168,7 @@ def accounting(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> di
 def _ask_sacct(job_ids: Sequence[str]) -> None:
     for chunk in _chunks(job_ids):
         records: dict[str, list[dict[str, Any]]] = {j: [] for j in chunk}
-        for record in slurm.sacct_records(",".join(chunk)):
+        for record in sacct.sacct_records(",".join(chunk)):
             records.setdefault(record["JobID"].split(".")[0], []).append(record)
         now = time.monotonic()
         _ANSWERS.accounting.update({j: (now, records[j]) for j in chunk})

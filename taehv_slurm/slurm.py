@@ -5,8 +5,8 @@ a job right now: requeue under way, time limit reached), `scontrol requeue` (the
 returns what Slurm answered — never what we hoped — and a command that cannot run (not installed, not
 on PATH, controller unreachable) is an answer too, with Slurm's own words.
 
-The states of many jobs are one squeue call (`squeue_states`) and one sacct call (`sacct_records` of a
-list of jobs); taehv_slurm.jobstates shares those answers within the process.
+The states of many jobs are one squeue call (`squeue_states`) and one sacct call (taehv_slurm.sacct's
+`sacct_records` of a list of jobs); taehv_slurm.jobstates shares those answers within the process.
 
 `scontrol` is looked up once, where the job starts: the sbatch script exports its path as
 TAEHV_SCONTROL before the cluster config's `setup:` lines run, so a setup line that replaces PATH
@@ -28,10 +28,6 @@ import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 # Job states after which a job does nothing more (Slurm's, plus PREEMPTED for a job not requeued).
 FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
@@ -211,6 +207,14 @@ def squeue_state(job_id: str) -> str | None:
     from taehv_slurm import jobstates
 
     return jobstates.queue_states([job_id])[job_id]
+
+
+def job_state(job_id: str) -> str | None:
+    """Live state from squeue while the job is listed there, else its last state from accounting
+    (taehv_slurm.jobstates: the answer shared by the process)."""
+    from taehv_slurm import jobstates
+
+    return jobstates.job_states([job_id])[job_id]
 
 
 def squeue_answer(job_id: str) -> Answer:
@@ -433,92 +437,4 @@ def limit_minutes(limit: str) -> int | None:
     else:  # minutes first (MM or MM:SS)
         hours, minutes = 0, parts[0]
     return int(days) * 1440 + hours * 60 + minutes
-
-
-# ---------------------------------------------------------------------------------------- sacct
-
-SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "NTasks", "NodeList", "Submit",
-                "Start",
-                "End", "MaxRSS", "AllocTRES")
-
-
-def sacct_state(job_id: str) -> str | None:
-    return last_state(job_id, sacct_records(job_id))
-
-
-def last_state(job_id: str, records: Sequence[Mapping[str, Any]]) -> str | None:
-    """The state of the job's last allocation record in its accounting (`sacct_records`)."""
-    states = [r["State"] for r in records if r["JobID"] == job_id]
-    return str(states[-1]).split()[0] if states else None
-
-
-def job_state(job_id: str) -> str | None:
-    """Live state from squeue while the job is listed there, else its last state from accounting
-    (taehv_slurm.jobstates: the answer shared by the process)."""
-    from taehv_slurm import jobstates
-
-    return jobstates.job_states([job_id])[job_id]
-
-
-def sacct_records(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS) -> list[dict[str, Any]]:
-    """sacct's rows as dicts (none when accounting is unavailable), with `Attempt` and, where Elapsed is
-    asked for, `ElapsedSeconds`. `job_id` may list several jobs ('12,13_0'): one call for them all.
-
-    With --duplicates every run of a requeued job is its own allocation record (State REQUEUED for all
-    but the last): `Attempt` numbers them; a step carries its allocation's attempt. A run whose allocation
-    shrank (`scontrol update NodeList=`) has a record per size, all but the last RESIZING: one attempt.
-    """
-    fields = _asked(fields)
-    cmd = ["sacct", "-P", "-n", "--duplicates", "-o", ",".join(fields)]
-    cmd += ["-j", job_id] if job_id else ["-S", "now-7days"]
-    answer = run(cmd, timeout_s=30)
-    lines = [line.split("|") for line in (answer.output if answer.ok else "").splitlines() if line.strip()]
-    records = [dict(zip(fields, values)) for values in lines if len(values) == len(fields)]
-    runs: dict[str, int] = {}  # allocation records seen per job id (array tasks are their own jobs)
-    resized: set[str] = set()  # jobs whose last allocation record a resize ended: the next one goes on
-    for record in records:
-        base = record["JobID"].split(".")[0]
-        if "." not in record["JobID"]:  # an allocation record: the next attempt of that job
-            runs[base] = runs.get(base, -1) + (base not in resized)
-            resized.discard(base)
-            if record["State"] == "RESIZING":
-                resized.add(base)
-        record["Attempt"] = runs.get(base, 0)
-        if "Elapsed" in record:
-            record["ElapsedSeconds"] = elapsed_seconds(record["Elapsed"])
-    return records
-
-
-def sacct_columns(fields: Sequence[str] = SACCT_FIELDS) -> list[str]:
-    """The columns of `sacct_records(job_id, fields)`: JobID, State, the others, Attempt[, ElapsedSeconds]."""
-    asked = _asked(fields)
-    return [*asked, "Attempt", *(["ElapsedSeconds"] if "Elapsed" in asked else [])]
-
-
-def _asked(fields: Sequence[str]) -> list[str]:
-    return list(dict.fromkeys(["JobID", "State", *fields]))
-
-
-def sacct_frame(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS,
-                records: Sequence[Mapping[str, Any]] | None = None) -> pd.DataFrame:
-    """sacct output as a DataFrame (empty without accounting): `sacct_records`, or the `records` given.
-    `attrs['requeues']` counts the REQUEUED allocation records of `job_id` (of every job without one)."""
-    import pandas as pd
-
-    records = sacct_records(job_id, fields) if records is None else records
-    frame = pd.DataFrame(records, columns=sacct_columns(fields))
-    if not records:
-        frame["Attempt"] = frame["Attempt"].astype(float)  # as an empty column of attempts has always been
-    frame.attrs["requeues"] = sum(1 for r in records if "." not in r["JobID"]
-                                  and (r["JobID"] == job_id or not job_id)
-                                  and str(r["State"]).startswith("REQUEUED"))
-    return frame
-
-
-def elapsed_seconds(text: str) -> float:
-    """sacct's [D-]HH:MM:SS (or MM:SS.mmm) as seconds."""
-    days, _, clock = text.rpartition("-")
-    parts = [float(p) for p in re.split(r":", clock) if p]
-    seconds = sum(v * 60 ** i for i, v in enumerate(reversed(parts)))
-    return seconds + (int(days) * 86400 if days else 0)
 

@@ -24,7 +24,7 @@ from taehv_slurm.common.runfolder import JobDir
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.registry import Registry
 from taehv_slurm.runtime.steps import FOLLOW_UP_EXIT_CODE
-from taehv_slurm.slurm import sacct_records
+from taehv_slurm.sacct import sacct_records
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
 from tests.helpers import (
