@@ -11,7 +11,6 @@ import contextlib
 import io
 import math
 import os
-import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -141,8 +140,7 @@ class JobHandle:
         try:
             while True:
                 state = self.state
-                if note := silence.change():
-                    print(f"note: {note}", file=sys.stderr, flush=True)
+                silence.tell()
                 step = self.last_step()
                 now = (state, step, len(self.interruptions()))
                 display.update(*now)

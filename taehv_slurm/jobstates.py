@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 import weakref
@@ -154,6 +155,11 @@ class SilenceWatch:
         if self.silent and not was:
             return note
         return "squeue answers again" if was and not self.silent else None
+
+    def tell(self) -> None:
+        """`change()`'s line, if any, as a note on stderr (stdout stays the command's output)."""
+        if note := self.change():
+            print(f"note: {note}", file=sys.stderr, flush=True)
 
 
 def accounting(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> dict[str, list[dict[str, Any]]]:

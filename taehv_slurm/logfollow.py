@@ -40,8 +40,7 @@ class LogFollower:
         if time.monotonic() >= self.due:
             state, self.state = self.state, self.handle.state
             self.due = time.monotonic() + self.backoff.after(state != self.state)
-            if note := self.silence.change():
-                print(f"note: {note}", file=sys.stderr, flush=True)
+            self.silence.tell()
         if self.path.exists():
             with self.path.open("rb") as f:
                 if f.seek(0, 2) < self.position:  # truncated or replaced (never by Slurm's append mode)

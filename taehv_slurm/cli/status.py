@@ -72,10 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _note_silence() -> int:
-    """A line on stderr where squeue got no answer: the states shown are accounting's (the output on
-    stdout stays a table, CSV or JSON)."""
-    if note := jobstates.controller_silence():
-        print(f"note: {note}", file=sys.stderr)
+    """A note on stderr where squeue got no answer: the states shown are accounting's."""
+    jobstates.SilenceWatch().tell()
     return 0
 
 
