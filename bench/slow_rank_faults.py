@@ -9,7 +9,7 @@ Per fault one `python -m jobs.submit --local` of configs/train/taehv.yaml on --g
 (data.path set; --synthetic: synthetic 128×192 clips, 10-step log windows; --smoke: the tiny config, 2 CPU
 ranks, log_every 2); with --cluster, through Slurm on that cluster config instead (the GPU Slurm cluster of
 tests/slurm_testbed.py --real-gpus, SLURM_CONF set), --nodes × --gpus ranks. From --fault-step on, the last
-rank is slowed for --fault-s seconds:
+rank is slowed for --fault-s seconds (--until-named: until the run names a rank, --fault-s at most):
 
 - host: its process stopped 0.25 s of every 0.5 s (SIGSTOP/SIGCONT; --host-cycle), a starved or throttled
   host;
@@ -117,7 +117,9 @@ def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         if args.smoke and cycle:
             cycle = {"host": (0.4, 0.2), "data": (0.9, 0.1)}[fault]
         with slowed_down(pids, *cycle) if cycle else contextlib.nullcontext():
-            time.sleep(args.fault_s)
+            deadline = began + args.fault_s
+            while time.time() < deadline and not (args.until_named and named(run_dir)):
+                time.sleep(min(1.0, max(0.0, deadline - time.time())))
         ended = time.time()
         wait_for(lambda: [r for r in RunFolder(run_dir).metrics().read() if r.get("time", 0) > ended + 1],
                  args.timeout, "a log window after the fault")
@@ -130,11 +132,16 @@ def one_fault(fault: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     return verdict(fault, run_dir, began, ended, 0 if fault == "GPU" else before)
 
 
+def named(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's slow_rank events so far."""
+    return [e for e in RunFolder(run_dir).events().read() if e["event"] == "slow_rank"]
+
+
 def verdict(fault: str, run_dir: Path, began: float, ended: float, before: int) -> dict[str, Any]:
     """What the run recorded about the fault: the first slow_rank event, its timing, clips/s."""
     windows = [r for r in RunFolder(run_dir).metrics().read() if "samples_per_second" in r]
-    named = [e for e in RunFolder(run_dir).events().read() if e["event"] == "slow_rank"]
-    first = named[0] if named else {}
+    events = named(run_dir)
+    first = events[0] if events else {}
     at = min((r["step"] for r in windows if r.get("slow_ranks")), default=None)
 
     def clips(rows: list[dict[str, Any]]) -> float | None:
@@ -145,7 +152,7 @@ def verdict(fault: str, run_dir: Path, began: float, ended: float, before: int) 
     return {"fault": fault, "named_rank": first.get("rank"), "named_cause": first.get("cause"),
             "lost_s_per_step": first.get("lost_s"), "detail": first.get("detail"),
             "windows_to_named": len([r for r in windows if before < r["step"] <= at]) if at else None,
-            "named_events": len(named),
+            "named_events": len(events), "fault_lasted_s": round(ended - began, 1),
             "clips_per_s_before": clips([r for r in windows if r["time"] < began and r["step"] > 1]),
             "clips_per_s_during": clips([r for r in windows if began < r["time"] <= ended]),
             "fault_began_s": round(began - windows[0]["time"], 1) if windows else None,
@@ -170,6 +177,8 @@ def main() -> None:
     p.add_argument("--faults", default=",".join(FAULTS))
     p.add_argument("--fault-step", type=int, help="the victim's step where the fault begins (60, --smoke 16)")
     p.add_argument("--fault-s", type=float, help="seconds the fault (none: a clean run) lasts (90, smoke 15)")
+    p.add_argument("--until-named", action="store_true",
+                   help="end each fault once the run names a slow rank (it lasts --fault-s at most)")
     p.add_argument("--host-cycle", type=duty_cycle, default=(0.25, 0.25), help="STOPPED,RUNNING s (host)")
     p.add_argument("--data-cycle", type=duty_cycle, default=(0.45, 0.05), help="STOPPED,RUNNING s (data)")
     p.add_argument("--gpu-extra-s", type=float, default=0.25, help="the GPU fault's device seconds per step")
@@ -192,9 +201,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     info = run_info(not args.smoke, gpus=ranks(args), nodes=args.nodes, cluster=args.cluster,
                     data="synthetic 128x192" if args.synthetic else args.data, fault_step=args.fault_step,
-                    fault_s=args.fault_s, host_cycle=args.host_cycle, data_cycle=args.data_cycle,
-                    gpu_extra_s=args.gpu_extra_s,
-                    log_every=log_every(args))
+                    fault_s=args.fault_s, until_named=args.until_named, host_cycle=args.host_cycle,
+                    data_cycle=args.data_cycle, gpu_extra_s=args.gpu_extra_s, log_every=log_every(args))
     rows = []
     for fault in args.faults.split(","):
         rows.append(one_fault(fault, args, work))
