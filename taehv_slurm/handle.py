@@ -130,7 +130,8 @@ class JobHandle:
         on Slurm; a job's state is asked with every other handle's (one squeue call for them all).
         The progress display is a bar updated in place in a notebook, tqdm in a terminal, and one plain
         line per change otherwise (logs, CI). Where the Slurm controller stops answering, it waits on the
-        job's accounting, with a note on stderr (and another once the controller answers again).
+        job's accounting, with a note on stderr (and another once the controller answers again); where
+        sacct fails, likewise.
         """
         from taehv_slurm.reports import Progress
 

@@ -9,8 +9,8 @@ given to a job (cancel, requeue) drops what was known of it (`forget`): the next
 Loops that poll wait longer while nothing changes (`Backoff`, up to $TAEHV_POLL_MAX_S, 30 s): a sweep of
 twenty jobs followed for two minutes costs about ten squeue calls, where one call per job every 2 s cost
 1,200. Where the controller does not answer squeue (down, restarting, overloaded), every job asked about
-is answered from accounting, and `controller_silence` says so in one line for the commands to print. The
-commands themselves are taehv_slurm.slurm's.
+is answered from accounting, and `controller_silence` says so in one line for the commands to print;
+`accounting_silence` likewise where sacct fails. The commands themselves are taehv_slurm.slurm's.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class _Answers:
         self.watched: dict[str, weakref.WeakSet] = {}
         self.held_since: float | None = None
         self.unanswered: str | None = None  # squeue's error at its latest call; None: it answered
+        self.unaccounted: str | None = None  # sacct's, likewise
         self.lock = threading.RLock()
 
     def fresh(self, table: Mapping[str, tuple[float, Any]], job_id: str, max_age_s: float) -> bool:
@@ -142,23 +143,37 @@ def controller_silence() -> str | None:
             "may lag (UNKNOWN where there is none); `scontrol ping` says whether the controller is up")
 
 
+def accounting_silence() -> str | None:
+    """One line where the latest sacct call failed (slurmdbd down or out of reach), None where it answered
+    or the cluster keeps no accounting."""
+    if (error := _ANSWERS.unaccounted) is None:
+        return None
+    error = error.removeprefix("sacct: error: ")
+    return (f"sacct failed ({error}): Slurm's accounting does not answer, so a job squeue no longer lists "
+            "shows UNKNOWN, and allocated time and queue waits come from the run's own files; "
+            "`sacctmgr show cluster` answers once slurmdbd is up again")
+
+
 class SilenceWatch:
-    """For a loop that polls: the line to print when squeue stops answering, and when it answers again,
-    each once per change."""
+    """For a loop that polls: the line to print when squeue or sacct stops answering, and when it answers
+    again, each once per change."""
 
     def __init__(self) -> None:
-        self.silent = False
+        self.silent = {"squeue": False, "sacct": False}
 
-    def change(self) -> str | None:
-        note = controller_silence()
-        was, self.silent = self.silent, note is not None
-        if self.silent and not was:
-            return note
-        return "squeue answers again" if was and not self.silent else None
+    def changes(self) -> list[str]:
+        lines = []
+        for name, note in (("squeue", controller_silence()), ("sacct", accounting_silence())):
+            was, self.silent[name] = self.silent[name], note is not None
+            if note is not None and not was:
+                lines.append(note)
+            elif was and note is None:
+                lines.append(f"{name} answers again")
+        return lines
 
     def tell(self) -> None:
-        """`change()`'s line, if any, as a note on stderr (stdout stays the command's output)."""
-        if note := self.change():
+        """`changes()`' lines as notes on stderr (stdout stays the command's output)."""
+        for note in self.changes():
             print(f"note: {note}", file=sys.stderr, flush=True)
 
 
@@ -174,7 +189,8 @@ def accounting(job_ids: Sequence[str], max_age_s: float = STATE_MAX_AGE_S) -> di
 def _ask_sacct(job_ids: Sequence[str]) -> None:
     for chunk in _chunks(job_ids):
         records: dict[str, list[dict[str, Any]]] = {j: [] for j in chunk}
-        for record in sacct.sacct_records(",".join(chunk)):
+        answered, _ANSWERS.unaccounted = sacct.sacct_answer(",".join(chunk))
+        for record in answered:
             records.setdefault(record["JobID"].split(".")[0], []).append(record)
         now = time.monotonic()
         _ANSWERS.accounting.update({j: (now, records[j]) for j in chunk})

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Elapsed", "NNodes", "NTasks", "NodeList", "Submit",
                 "Start", "End", "MaxRSS", "AllocTRES")
+NO_ACCOUNTING = "accounting storage is disabled"  # in sacct's error (any case) where the cluster keeps none
 
 
 def last_state(job_id: str, records: Sequence[Mapping[str, Any]]) -> str | None:
@@ -32,10 +33,18 @@ def sacct_records(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELD
     but the last): `Attempt` numbers them; a step carries its allocation's attempt. A run whose allocation
     shrank (`scontrol update NodeList=`) has a record per size, all but the last RESIZING: one attempt.
     """
+    return sacct_answer(job_id, fields)[0]
+
+
+def sacct_answer(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS
+                 ) -> tuple[list[dict[str, Any]], str | None]:
+    """`sacct_records` and sacct's failure in one line: None where it answered, or where the cluster keeps
+    no accounting (no records, and nothing failed)."""
     fields = _asked(fields)
     cmd = ["sacct", "-P", "-n", "--duplicates", "-o", ",".join(fields)]
     cmd += ["-j", job_id] if job_id else ["-S", "now-7days"]
     answer = run(cmd, timeout_s=30)
+    failure = None if answer.ok or NO_ACCOUNTING in answer.error.lower() else answer.error
     lines = [line.split("|") for line in (answer.output if answer.ok else "").splitlines() if line.strip()]
     records = [dict(zip(fields, values)) for values in lines if len(values) == len(fields)]
     runs: dict[str, int] = {}  # allocation records seen per job id (array tasks are their own jobs)
@@ -50,7 +59,7 @@ def sacct_records(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELD
         record["Attempt"] = runs.get(base, 0)
         if "Elapsed" in record:
             record["ElapsedSeconds"] = elapsed_seconds(record["Elapsed"])
-    return records
+    return records, failure
 
 
 def sacct_columns(fields: Sequence[str] = SACCT_FIELDS) -> list[str]:

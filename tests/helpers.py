@@ -99,11 +99,29 @@ def cli(*args: str, cwd: Path = REPO, env: Mapping[str, str] | None = None,
 def unreachable_controller_conf(folder: Path) -> Path:
     """A copy of this Slurm's slurm.conf with nothing listening at its controller's port: Slurm's commands
     given it find the controller out of reach, as while it is down, and accounting (slurmdbd) answers."""
+    return _unreachable_conf(folder, "SlurmctldPort")
+
+
+def unreachable_accounting_conf(folder: Path) -> Path:
+    """Likewise with nothing listening at slurmdbd's port: sacct finds accounting out of reach, as while
+    slurmdbd is down, and the controller answers."""
+    return _unreachable_conf(folder, "AccountingStoragePort")
+
+
+def _unreachable_conf(folder: Path, key: str) -> Path:
+    port = int(re.search(rf"^{key}=(\d+)", Path(os.environ["SLURM_CONF"]).read_text(), re.M).group(1))
+    return slurm_conf_with(folder, **{key: str(port + 7)})
+
+
+def slurm_conf_with(folder: Path, **settings: str) -> Path:
+    """A copy of this Slurm's slurm.conf with `settings` in place of its own, for Slurm's commands given it
+    through SLURM_CONF (the daemons keep theirs)."""
     conf = Path(os.environ["SLURM_CONF"]).read_text()
-    port = int(re.search(r"^SlurmctldPort=(\d+)", conf, re.M).group(1))
-    bad = folder / "unreachable.conf"
-    bad.write_text(re.sub(r"^SlurmctldPort=\d+", f"SlurmctldPort={port + 7}", conf, flags=re.M))
-    return bad
+    for key, value in settings.items():
+        conf = re.sub(rf"^{key}=.*$", f"{key}={value}", conf, flags=re.M)
+    path = folder / f"slurm-{'-'.join(settings)}.conf"
+    path.write_text(conf)
+    return path
 
 
 def read_strictly(log: EventLog, missing_ok: bool = False) -> list[dict[str, Any]]:

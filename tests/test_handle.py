@@ -40,11 +40,13 @@ from taehv_slurm.training import submit_training
 from tests.helpers import (
     REPO,
     cli,
+    documented,
     in_terminal,
     make_cluster,
     quick_train,
     read_strictly,
     tiny_train,
+    unreachable_accounting_conf,
     unreachable_controller_conf,
     wait_done,
 )
@@ -197,10 +199,10 @@ def test_status_logs_and_wait_go_on_from_accounting_while_the_controller_is_out_
     assert doomed.wait(until_step=step + 5, timeout_s=120, poll_s=0.5, progress=False) == "RUNNING"
     assert capsys.readouterr().err.count("note: squeue failed (") == 1
     watch = jobstates.SilenceWatch()
-    assert watch.change() is not None and watch.change() is None  # said once while it lasts
+    assert len(watch.changes()) == 1 and watch.changes() == []  # said once while it lasts
     monkeypatch.undo()
     assert jobstates.job_states([doomed.job_id], max_age_s=0)[doomed.job_id] == "RUNNING"
-    assert watch.change() == "squeue answers again" and watch.change() is None
+    assert watch.changes() == ["squeue answers again"] and watch.changes() == []
     assert jobstates.controller_silence() is None
 
 
@@ -243,6 +245,19 @@ def test_failed_job_reports_its_error(jobs: Jobs) -> None:
     assert "RuntimeError: simulated crash right after the restart" in logs.stdout
 
 
+def test_status_says_when_slurms_accounting_does_not_answer(jobs: Jobs, tmp_path: Path) -> None:
+    """sacct pointed where no slurmdbd listens (as if it were down): status says so; --accounting fails."""
+    crash, away = jobs.crash, {"SLURM_CONF": str(unreachable_accounting_conf(tmp_path))}
+    said = documented("sacct-unreachable")
+    assert wait_done(crash.job_id, 300) == "FAILED", crash.tail(60)
+    status = cli("jobs.status", crash.job_id, "--job-dir", str(jobs.job_dir), env=away)
+    assert status.returncode == 0 and status.stdout.splitlines()[1].split()[:2] == [crash.job_id, "crash"]
+    assert status.stderr.splitlines() == [f"note: {said}"]
+    acct = cli("jobs.status", crash.job_id, "--accounting", "--format", "json", "--job-dir",
+               str(jobs.job_dir), env=away)
+    assert (acct.returncode, acct.stdout, acct.stderr) == (1, "", f"error: {said}\n")
+
+
 # ------------------------------------------------------------------------- REQUEUED → COMPLETED
 
 
@@ -250,11 +265,6 @@ def completed_train(jobs: Jobs) -> JobHandle:
     """The train job once it completed (the first test below waits for it; run alone, a test waits here)."""
     assert wait_done(jobs.train.job_id, 600) == "COMPLETED", jobs.train.tail(80)
     return jobs.train
-
-
-def requeue_step(train: JobHandle) -> int:
-    """The step at which the train job saved for its requeue."""
-    return int(train.requeues["step"].iloc[0])
 
 
 def test_a_requeued_job_completes_and_wait_prints_plain_progress_lines(
@@ -319,7 +329,7 @@ def test_a_handle_attached_by_id_from_another_directory_reads_the_whole_run(jobs
 
 def test_status_cli_shows_the_requeue_as_a_table_json_and_csv(jobs: Jobs) -> None:
     train = completed_train(jobs)
-    step = requeue_step(train)
+    step = int(train.requeues["step"].iloc[0])  # where it saved for its requeue
     status = cli("jobs.status", "--all", cwd=jobs.job_dir.parent, env={"TAEHV_JOB_DIR": jobs.job_dir.name})
     assert status.returncode == 0, status.stderr
     row = next(line for line in status.stdout.splitlines() if line.startswith(train.job_id + " "))
@@ -355,7 +365,7 @@ def test_status_cli_accounting_shows_one_row_per_attempt(jobs: Jobs) -> None:
 
 def test_logs_follow_followed_the_job_across_the_requeue_to_its_end(jobs: Jobs) -> None:
     train = completed_train(jobs)
-    step = requeue_step(train)
+    step = int(train.requeues["step"].iloc[0])  # where it saved for its requeue
     # `jobs.logs --follow`, started while the job ran, followed it across the requeue to its end.
     assert jobs.follower is not None
     out, err = jobs.follower.communicate(timeout=60)
@@ -368,7 +378,7 @@ def test_the_plot_marks_the_requeue_with_a_dashed_line(jobs: Jobs) -> None:
     import matplotlib
 
     train = completed_train(jobs)
-    step = requeue_step(train)
+    step = int(train.requeues["step"].iloc[0])  # where it saved for its requeue
     matplotlib.use("Agg")
     fig = train.plot(jobs.job_dir / "observed.png")
     dashed = [line for line in fig.axes[0].get_lines() if line.get_linestyle() == "--"]
@@ -376,7 +386,7 @@ def test_the_plot_marks_the_requeue_with_a_dashed_line(jobs: Jobs) -> None:
     assert (jobs.job_dir / "observed.png").stat().st_size > 10_000
 
 
-def test_tensorboard_events_of_rank_0(jobs: Jobs) -> None:
+def test_tensorboard_events_and_a_log_without_progress_bars_of_rank_0(jobs: Jobs) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     train = jobs.train
@@ -396,12 +406,7 @@ def test_tensorboard_events_of_rank_0(jobs: Jobs) -> None:
     assert all(e.value == pytest.approx(losses[e.step], rel=1e-6) for e in acc.Scalars("train/loss"))
     assert len(list((train.run_dir / "tb").glob("events.out.tfevents.*"))) == 2  # one per segment
     assert not list(train.run_dir.glob("*/tb")) and not list(train.run_dir.glob("tb/*/"))  # rank 0 only
-
-
-def test_progress_is_plain_lines_without_a_tty(jobs: Jobs) -> None:
-    train = jobs.train
-    assert wait_done(train.job_id, 600) == "COMPLETED"
-    log = train.log_path(0).read_text()
+    log = train.log_path(0).read_text()  # progress in plain lines: a batch job has no TTY
     assert "\r" not in log and "it/s" not in log and "step/s" not in log and "%|" not in log
     lines = re.findall(rf"\[rank 0\] train step (\d+)/{TRAIN_STEPS} ", log)
     assert [int(s) for s in lines][-1] == TRAIN_STEPS and len(lines) >= TRAIN_STEPS // 2

@@ -24,7 +24,7 @@ import pytest
 from taehv_slurm.common.runfolder import JobDir, RunFileWarning
 from taehv_slurm.handle import JobHandle
 from taehv_slurm.registry import Registry, read_registry
-from tests.helpers import REPO
+from tests.helpers import REPO, slurm_conf_with
 
 SCHEDULER = ("squeue", "sacct", "scontrol")
 WRITERS, LINES_EACH = 8, 150
@@ -193,6 +193,13 @@ def test_status_of_fifty_slurm_runs_asks_the_scheduler_twice(slurm_cluster, tmp_
             assert len(shown) == (20 if not argv else 50)
             assert all("PENDING" in str(row) for row in shown)
             assert len(asked) <= 2 and {c.split()[0] for c in asked} <= {"squeue", "sacct"}, asked
+        # a site that keeps no accounting (sacct: "Slurm accounting storage is disabled") is no failure
+        kept_none = slurm_conf_with(tmp_path, AccountingStorageType="accounting_storage/none")
+        for argv, said in ((["--all"], "PENDING"), (["--all", "--accounting"], "no accounting for these")):
+            done = subprocess.run([sys.executable, "-m", "taehv_slurm", "status", *argv, "--job-dir",
+                                   str(job_dir)], cwd=REPO, env={**env, "SLURM_CONF": str(kept_none)},
+                                  capture_output=True, text=True, timeout=120)
+            assert (done.returncode, done.stderr, said in done.stdout) == (0, "", True), done.stdout[-2000:]
         # an order to a job drops what was known of it: the state read right after is Slurm's new one
         handles = [JobHandle.attach(f"held/seed={seed}", job_dir) for seed in (0, 1)]
         assert [h.state for h in handles] == ["PENDING", "PENDING"]

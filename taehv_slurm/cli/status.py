@@ -9,7 +9,8 @@ defaults to $TAEHV_JOB_DIR, else `runs`. --accounting shows each attempt (the fi
 requeue): state, exit code, elapsed, nodes, GPUs, max RSS. --goodput shows each attempt's allocated
 node-seconds, time to first step, steps kept, work lost, time in saves and ETTR (productive /
 allocated). Where the Slurm controller does not answer, the states are Slurm's accounting, with a note
-on stderr that says so.
+on stderr that says so; where Slurm's accounting does not answer, a note says what that leaves out
+(--accounting fails, exit 1).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                               ignore_index=True)
     else:
         frame = accounting_frame(handles) if args.accounting else status_frame(handles)
+    if args.accounting and (failed := jobstates.accounting_silence()):
+        print(f"error: {failed}", file=sys.stderr)  # an empty table would say there is no accounting
+        return 1
     if args.accounting and frame.empty and args.format == "table":
         print("no accounting for these runs: local runs have none, and on Slurm it needs slurmdbd "
               "(sacct: 'Slurm accounting storage is disabled' means the cluster keeps none)")
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _note_silence() -> int:
-    """A note on stderr where squeue got no answer: the states shown are accounting's."""
+    """Notes on stderr where squeue got no answer (the states shown are accounting's) or sacct got none."""
     jobstates.SilenceWatch().tell()
     return 0
 
