@@ -64,15 +64,25 @@ def says_no_slurm(text: str) -> bool:
 
 
 _MUNGE_ENCODE_FAILED = re.compile(r"Munge encode failed: (.+)")
+# What a Slurm command gets where the controller dropped its request unanswered: what slurmctld does with a
+# request whose munge credential it cannot verify (its log: "Munge decode failed: Invalid credential")
+_DROPPED = "Zero Bytes were transmitted or received"
 
 
 def munge_trouble(text: str) -> str | None:
     """One line where a Slurm command's error output says it could not sign its request with munge (munged
-    not running on this machine, or its socket not inside this container), naming the fix; else None."""
+    not running on this machine, or its socket not inside this container), or that the controller dropped
+    it unanswered (a munge key or clock other than the controller's), naming the fix; else None."""
     if match := _MUNGE_ENCODE_FAILED.search(text):
         return (f"Slurm's commands here cannot reach munged ({match.group(1).strip()}): start munged on this "
                 "machine (`systemctl start munge`), or in a container mount the host's munge socket folder "
                 "(e.g. `-v /run/munge:/run/munge`)")
+    if _DROPPED in text:
+        return (f"Slurm's controller dropped the request unanswered ({_DROPPED}), as it does when it cannot "
+                "verify this machine's munge credential: a munge key other than the controller's (the same "
+                "/etc/munge/munge.key on every host; in a container, mount the host's /run/munge instead of "
+                "running a munged of its own) or a clock minutes off; `munge -n | ssh CONTROLLER unmunge` "
+                "says which (Invalid credential: the key; Expired or Rewound credential: the clock)")
     return None
 
 

@@ -133,6 +133,35 @@ def test_slurm_commands_that_cannot_reach_munged_are_one_line(tmp_path: Path) ->
     assert rows["partition"].split(None, 2)[1:] == ["FAIL", f"sinfo failed: {reason}"], preflight.stdout
 
 
+@pytest.mark.usefixtures("slurm_cluster")
+def test_a_munge_key_other_than_the_controllers_is_one_line(tmp_path: Path) -> None:
+    """A login node or container whose munged has a key of its own: the controller cannot verify the
+    requests and drops them, and Slurm's commands end on 'Zero Bytes were transmitted or received'."""
+    folder = tmp_path / "munge"
+    folder.mkdir(mode=0o700)
+    (folder / "munge.key").write_bytes(os.urandom(1024))
+    (folder / "munge.key").chmod(0o600)
+    subprocess.run(["munged", "--force", f"--socket={folder / 'sock'}", f"--key-file={folder / 'munge.key'}",
+                    f"--pid-file={folder / 'pid'}", f"--log-file={folder / 'log'}",
+                    f"--seed-file={folder / 'seed'}"], check=True)
+    try:
+        conf = Path(os.environ["SLURM_CONF"]).read_text()
+        conf = re.sub(r"^(AuthInfo=.*)$", rf"\1,socket={folder / 'sock'}", conf, flags=re.M)
+        (tmp_path / "slurm.conf").write_text(conf)
+        shutil.copy(REPO / "configs/cluster/testbed.yaml", tmp_path / "cluster.yaml")
+        code, err = run("jobs.submit", "--cluster", "cluster.yaml", "--task", "smoke", "--set",
+                        "job_dir=runs", cwd=tmp_path, env={"SLURM_CONF": str(tmp_path / "slurm.conf")})
+        assert (code, err) == (2, documented("munge-key-differs"))
+        assert not (tmp_path / "runs").exists()  # nothing submitted, nothing left behind
+        preflight = cli("jobs.preflight", "--cluster", "cluster.yaml", "--nodes", "1", cwd=tmp_path,
+                        env={"SLURM_CONF": str(tmp_path / "slurm.conf")})
+        rows = {line.split()[0]: line for line in preflight.stdout.splitlines() if line.strip()}
+        reason = err.removeprefix("error: sbatch could not submit the job: ")
+        assert rows["partition"].split(None, 2)[1:] == ["FAIL", f"sinfo failed: {reason}"], preflight.stdout
+    finally:
+        subprocess.run(["munged", "--stop", f"--socket={folder / 'sock'}"], capture_output=True)
+
+
 def test_no_slurm_here_is_one_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
     cases = [({**env, "PATH": str(tmp_path)}, documented("no-slurm")),  # no Slurm commands at all
