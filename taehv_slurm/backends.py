@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from taehv_slurm import followup, jobstates, slurm
+from taehv_slurm import followup, jobstates, sacct, slurm
 from taehv_slurm.common.config import ClusterConfig
 from taehv_slurm.runtime import controller
 from taehv_slurm.runtime.rank_backend import Outcome, RankBackend
@@ -223,6 +223,11 @@ class SlurmBackend(Backend):
                                                   "fix": slurm.requeue_fix(answer.error)})
             refused = f"scontrol requeue: {answer.error}"
         return followup.submit(job_id, self.job_dir, fields, exclude, refused)
+
+    def allocation_state(self, job_id: str, attempt: int) -> str | None:
+        records = sacct.sacct_records(job_id, ("JobID", "State"))
+        states = [r["State"] for r in records if r["JobID"] == job_id and r["Attempt"] == attempt]
+        return states[-1].split()[0] if states else None
 
     def end_step(self) -> None:
         step = os.environ.get("SLURM_STEP_ID")

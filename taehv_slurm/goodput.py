@@ -113,7 +113,9 @@ def _attempt_row(start: Mapping[str, Any], later: Mapping[str, Any] | None,
     began = float(start.get("began") or start["time"])
     following = float(later.get("began") or later["time"]) if later is not None else math.inf
     window = [e for e in events if began <= e["time"] < following]
-    ends = [e for e in window if e["event"] in ENDS]
+    # a requeue noted at the next start is what ended it, whatever the attempt recorded first (its node failed
+    # while its ranks saved at the SIGTERM, as at a SIGTERM that ends only the job step: `step_ended`)
+    ends = sorted((e for e in window if e["event"] in ENDS), key=lambda e: not e.get("noted_at_start"))
     rows_in = [r for r in train_rows if began <= r["time"] < following]
     ended = ends[0]["time"] if ends else max([r["time"] for r in rows_in], default=start["time"])
     reached = max([start["step"], *(int(r["step"]) for r in rows_in),

@@ -22,7 +22,7 @@ from taehv_slurm.common.config import ClusterConfig, load_cluster
 from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.goodput import attempt_rows, frame_of, run_totals
 from taehv_slurm.registry import Registry, run_name
-from taehv_slurm.reports import describe_restart, slow_rank_note
+from taehv_slurm.reports import describe_requeue, describe_restart, slow_rank_note
 from taehv_slurm.runtime.provenance import commit_label, read_attempts
 
 if TYPE_CHECKING:  # only for annotations: importing pandas/matplotlib costs seconds
@@ -259,8 +259,9 @@ class JobHandle:
 
     @property
     def requeue_count(self) -> int:
-        """How often Slurm requeued the job: its REQUEUED records in sacct (Slurm 22.05's sacct has no
-        Restarts field); the events file's count where there is no accounting."""
+        """How often Slurm requeued the job: its allocations in sacct that another attempt followed
+        (`sacct.requeue_count`; Slurm 22.05's sacct has no Restarts field); the events file's count where
+        there is no accounting."""
         if self.backend.has_accounting:
             frame = self.accounting()
             if not frame.empty:
@@ -334,7 +335,7 @@ class JobHandle:
         """`sacct --duplicates` rows of this job and its steps, one allocation row per run attempt.
 
         Adds `Attempt` (0 for the first run, +1 per requeue; steps carry their allocation's attempt) and
-        `ElapsedSeconds`; `frame.attrs['requeues']` is the number of REQUEUED allocation records.
+        `ElapsedSeconds`; `frame.attrs['requeues']` counts the allocations another attempt followed.
         slurmdbd records a job's end a moment after squeue shows it: for up to `settle_s` seconds this
         waits until the accounting agrees that an ended job ended.
         """
@@ -413,8 +414,7 @@ class JobHandle:
             note = f"held since its requeue ({unreleased}): run `scontrol release {self.job_id}`"
         elif (requeues or restarts) and not note:
             killed = {e.get("segment"): e["detail"] for e in self.events() if e["event"] == "killed"}
-            note = "; ".join([*(f"requeued at step {e['step']} "
-                                f"({killed.get(e.get('segment')) or e['reason']})" for e in requeues),
+            note = "; ".join([*(describe_requeue(e, killed.get(e.get("segment"))) for e in requeues),
                               *map(describe_restart, restarts)])
         recent = RunFolder(self.run_dir).metrics().window(limit=STATUS_LOG_LINES, ordered=True)
         if slow := slow_rank_note(recent):

@@ -116,6 +116,15 @@ def slow_rank_note(rows: Iterable[Mapping[str, Any]], share: float = SLOW_RANK_N
             f"{len(causes)} log window(s)")
 
 
+def describe_requeue(requeue: dict[str, Any], killed: str | None = None) -> str:
+    """'requeued at step 40 (preempted)', or with `killed`, the detail of the ranks killed that caused it; a
+    requeue the job could not record (its node died) says it was Slurm's."""
+    if requeue.get("noted_at_start"):
+        return (f"requeued at step {requeue['step']} by Slurm ({requeue['reason']}; the job could not "
+                "record it)")
+    return f"requeued at step {requeue['step']} ({killed or requeue['reason']})"
+
+
 def describe_restart(restart: dict[str, Any]) -> str:
     """'restarted at step 110 on tb1,tb3 after killed (tb2 left out; 4 → 4 ranks; training again 9 s
     later)'."""

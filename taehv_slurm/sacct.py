@@ -75,17 +75,25 @@ def _asked(fields: Sequence[str]) -> list[str]:
 def sacct_frame(job_id: str | None = None, fields: Sequence[str] = SACCT_FIELDS,
                 records: Sequence[Mapping[str, Any]] | None = None) -> pd.DataFrame:
     """sacct output as a DataFrame (empty without accounting): `sacct_records`, or the `records` given.
-    `attrs['requeues']` counts the REQUEUED allocation records of `job_id` (of every job without one)."""
+    `attrs['requeues']`: `requeue_count` of `job_id` (of every job without one)."""
     import pandas as pd
 
     records = sacct_records(job_id, fields) if records is None else records
     frame = pd.DataFrame(records, columns=sacct_columns(fields))
     if not records:
         frame["Attempt"] = frame["Attempt"].astype(float)  # as an empty column of attempts has always been
-    frame.attrs["requeues"] = sum(1 for r in records if "." not in r["JobID"]
-                                  and (r["JobID"] == job_id or not job_id)
-                                  and str(r["State"]).startswith("REQUEUED"))
+    frame.attrs["requeues"] = requeue_count(records, job_id)
     return frame
+
+
+def requeue_count(records: Sequence[Mapping[str, Any]], job_id: str | None = None) -> int:
+    """How often Slurm requeued `job_id` (every job without one): its allocations that another attempt
+    followed, whatever ended them (REQUEUED, NODE_FAIL, PREEMPTED, ...)."""
+    attempts: dict[str, int] = {}
+    for r in records:
+        if "." not in r["JobID"] and (r["JobID"] == job_id or not job_id):
+            attempts[r["JobID"]] = max(attempts.get(r["JobID"], 0), int(r["Attempt"]))
+    return sum(attempts.values())
 
 
 def elapsed_seconds(text: str) -> float:

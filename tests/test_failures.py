@@ -11,7 +11,8 @@ Faults come from outside the task, as a cluster inflicts them:
 - `step_killed`: `scancel --signal=KILL JOB.0`, every process of the job step at once;
 - `unreleased`: a rank killed as above where scontrol refuses to release the job it requeued held;
 - `ecc`: a rank raises the error of a GPU's uncorrectable ECC error (a hardware fault: its node is left out);
-- `killed_twice`: both ranks of a 2-node job are killed by SIGKILL at the same step in every attempt.
+- `killed_twice`: both ranks of a 2-node job are killed by SIGKILL at the same step in every attempt;
+- `lost`: every process of the job SIGKILLed at once (a node that lost power), then Slurm requeues the job.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ import pytest
 
 from bench.faults import rank_record, wait_for
 from taehv_slurm.common.runfolder import RunFolder
+from taehv_slurm.goodput import attempt_rows
 from taehv_slurm.handle import JobHandle
+from taehv_slurm.reports import describe_requeue
 from taehv_slurm.runtime.checkpoint import Checkpointer
+from taehv_slurm.runtime.requeue import unrecorded_requeue
 from taehv_slurm.runtime.restart import RESTART_MARGIN_S
+from taehv_slurm.sacct import requeue_count
 from taehv_slurm.slurm import job_info, seconds_left
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
@@ -56,6 +61,7 @@ class Jobs:
     ecc: JobHandle
     killed_twice: JobHandle
     late: JobHandle
+    lost: JobHandle
 
 
 # `late`: a 4-minute limit, its warning (USR2) 30 s before it, so up to 90 s before it (Slurm may send it up
@@ -88,12 +94,14 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
                  late=submit(FailsWhenTold(3000, step_s=0.2, pause_at=0, steps_after_restart=5),
                              dataclasses.replace(one, time_min=LATE_TIME_MIN,
                                                  signal_delay_s=LATE_SIGNAL_DELAY_S),
-                             "late"))
+                             "late"),
+                 lost=submit(until_killed, one, "lost"))
     try:
         yield found
     finally:
         subprocess.run(["scancel", found.killed.job_id, found.step_killed.job_id, found.unreleased.job_id,
-                        found.ecc.job_id, found.killed_twice.job_id, found.late.job_id], capture_output=True)
+                        found.ecc.job_id, found.killed_twice.job_id, found.late.job_id, found.lost.job_id],
+                       capture_output=True)
 
 
 def refusing_release_scontrol(folder: Path) -> Path:
@@ -292,3 +300,55 @@ def test_near_its_time_limit_a_failure_requeues_instead_of_restarting(jobs: Jobs
     assert not events(handle, "restart")  # not inside the allocation
     assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)
     assert [e["restart_count"] for e in events(handle, "start")] == [0, 1]
+
+
+def processes_of(job_id: str) -> list[int]:
+    """Every process of the job on the testbed's nodes (its batch script, srun, the ranks): those whose
+    environment holds SLURM_JOB_ID=job_id."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if f"SLURM_JOB_ID={job_id}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_requeue_nothing_in_the_job_could_record_is_recorded_at_its_next_start(jobs: Jobs) -> None:
+    """Every process of the job SIGKILLed at once, as a node that loses power leaves them (no rank saves, the
+    batch script says nothing), then `scontrol requeue`, as Slurm requeues a job after NODE_FAIL: the next
+    start records the requeue with the state Slurm's accounting gives that allocation, and status and
+    goodput count it (before, the run's files knew of no requeue)."""
+    lost = jobs.lost
+    wait_for(lambda: (Path(lost.run_dir) / "steps.txt").exists(), 180, "the job to train")
+    for pid in processes_of(lost.job_id):
+        os.kill(pid, signal.SIGKILL)
+    subprocess.run(["scontrol", "requeue", lost.job_id], check=True, capture_output=True)
+    assert wait_done(lost.job_id, 300) == "COMPLETED", lost.tail(60)
+    (noted,) = events(lost, "requeue")
+    assert (noted["by"], noted["reason"], noted["noted_at_start"], noted["segment"]) == \
+        ("slurm", "requeued", True, 0), noted
+    assert [e["restart_count"] for e in events(lost, "start")] == [0, 1]
+    summary, goodput = lost.summary(), lost.goodput()
+    assert summary["requeues"] == lost.requeue_count == 1 and "requeued at step 0 by Slurm" in summary["note"]
+    assert list(goodput["end"]) == ["requeue (requeued)", "finished"], goodput
+
+
+def test_a_node_failure_slurm_requeued_ends_its_attempt_as_that_requeue() -> None:
+    """The events of a real run: a 1-node job of the tiny config on the testbed, its node set down
+    (`scontrol update nodename=tb1 state=down`); its rank saved at Slurm's SIGTERM and recorded that the job
+    step ended, then died with the node, and Slurm requeued the job after NODE_FAIL. Its next start found
+    the requeue unrecorded and recorded it with accounting's NODE_FAIL; goodput ends the attempt with it."""
+    history = [json.loads(line) for line in (REPO / "tests/fixtures/node_fail_events.jsonl").open()]
+    noted = next(i for i, e in enumerate(history) if e.get("noted_at_start"))
+    assert unrecorded_requeue(history[:noted], "4", 1) == {"segment": 0, "time": history[noted - 1]["time"]}
+    assert unrecorded_requeue(history[:noted], "4", 0) is None and unrecorded_requeue(history, "4", 1) is None
+    rows = attempt_rows(history, [], 1, 120)
+    assert [row["end"] for row in rows] == ["requeue (node_fail)", "finished"]
+    assert describe_requeue(history[noted]) == ("requeued at step 36 by Slurm (node_fail; the job could not "
+                                                "record it)")
+    accounting = [{"JobID": "4", "State": "NODE_FAIL", "Attempt": 0},
+                  {"JobID": "4.batch", "State": "CANCELLED", "Attempt": 0},
+                  {"JobID": "4", "State": "COMPLETED", "Attempt": 1}]
+    assert requeue_count(accounting, "4") == 1 and requeue_count(accounting[:2], "4") == 0

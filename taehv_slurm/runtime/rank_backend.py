@@ -58,6 +58,11 @@ class RankBackend:
         """End this rank's job step at once, every rank of it (a hang or a failure found here, where the job
         starts its ranks again by itself): nothing to do where the ranks are not a job step."""
 
+    def allocation_state(self, job_id: str, attempt: int) -> str | None:
+        """How the scheduler's accounting says the job's allocation `attempt` (0: its first run) ended (e.g.
+        NODE_FAIL); None where there is none."""
+        return None
+
     def seconds_left(self, job_id: str) -> float | None:
         """Seconds until the job's time limit, None when unknown or unlimited."""
         return None

@@ -152,6 +152,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         lock = RunLock(run_dir, env.job_id, self.backend)
         if env.rank == 0:
             lock.acquire()  # refuses when another live job trains this folder
+            self._note_unrecorded_requeue(events, env.job_id, env.restart_count, self._saved_step(run_dir))
         # read before any rank of this segment writes (rank 0 writes after rendezvous)
         history = events.read()
         segment = sum(1 for e in history if e["event"] == "start")
@@ -205,6 +206,21 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             events.write("stopped", segment=segment, reason=reason, job_id=job_id)
             print(f"[taehv] not requeueing: {reason}", flush=True)
         return reason
+
+    def _note_unrecorded_requeue(self, events: EventLog, job_id: str, restart_count: int, step: int) -> None:
+        """Where Slurm requeued this job while nothing could record it (its node failed, and the batch script
+        with it: NODE_FAIL), record it now, as the end of the attempt it ended, with the state Slurm's
+        accounting gives that allocation (`reason`: NODE_FAIL → node_fail; `unrecorded` without one)."""
+        missed = unrecorded_requeue(events.read(), job_id, restart_count)
+        if missed is None:
+            return
+        state = self.backend.allocation_state(job_id, restart_count - 1)
+        events.append({"event": "requeue", "time": missed["time"], "segment": missed["segment"],
+                       "reason": (state or "unrecorded").lower(), "step": step, "failed_at_step": None,
+                       "signal_to_saved_s": None, "seconds_lost": None, "job_id": job_id, "by": "slurm",
+                       "noted_at_start": True})
+        print(f"[taehv] Slurm requeued job {job_id} ({state or 'its accounting does not say why'}) while "
+              f"nothing could record it: resuming from step {step}", flush=True)
 
     def _on_failure(self, ctx: RunContext, err: Exception) -> None:
         error = one_line(err)
@@ -351,3 +367,17 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         detail = (f"{describe_ranks(killed)} {'were' if len(killed) > 1 else 'was'} killed by {name}"
                   f"{SIGNAL_NOTES.get(signum, '')}" + (f" at step {step}" if step is not None else ""))
         return name, detail, step
+
+
+def unrecorded_requeue(history: list[dict[str, Any]], job_id: str,
+                       restart_count: int) -> dict[str, Any] | None:
+    """Where this job's restart count went up since its last start and no requeue was recorded after that
+    start (Slurm requeued the job while its batch script could not say so): that attempt's segment and its
+    last recorded time; else None."""
+    starts = [i for i, e in enumerate(history) if e["event"] == "start" and e.get("job_id") == job_id]
+    if not starts or int(history[starts[-1]].get("restart_count") or 0) >= restart_count:
+        return None
+    since = history[starts[-1]:]
+    if any(e["event"] == "requeue" for e in since):
+        return None
+    return {"segment": since[0]["segment"], "time": max(e["time"] for e in since)}
