@@ -226,8 +226,7 @@ class SlurmBackend(Backend):
 
     def allocation_state(self, job_id: str, attempt: int) -> str | None:
         records = sacct.sacct_records(job_id, ("JobID", "State"))
-        states = [r["State"] for r in records if r["JobID"] == job_id and r["Attempt"] == attempt]
-        return states[-1].split()[0] if states else None
+        return sacct.last_state(job_id, [r for r in records if r["Attempt"] == attempt])
 
     def end_step(self) -> None:
         step = os.environ.get("SLURM_STEP_ID")

@@ -102,4 +102,3 @@ def elapsed_seconds(text: str) -> float:
     parts = [float(p) for p in re.split(r":", clock) if p]
     seconds = sum(v * 60 ** i for i, v in enumerate(reversed(parts)))
     return seconds + (int(days) * 86400 if days else 0)
-

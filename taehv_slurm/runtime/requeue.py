@@ -152,9 +152,10 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         lock = RunLock(run_dir, env.job_id, self.backend)
         if env.rank == 0:
             lock.acquire()  # refuses when another live job trains this folder
-            self._note_unrecorded_requeue(events, env.job_id, env.restart_count, self._saved_step(run_dir))
         # read before any rank of this segment writes (rank 0 writes after rendezvous)
         history = events.read()
+        if env.rank == 0 and (noted := self._note_unrecorded_requeue(events, history, env, run_dir)):
+            history.append(noted)
         segment = sum(1 for e in history if e["event"] == "start")
         reason = self.guards.refuse_reason(history, env.job_id, self._saved_step(run_dir))
         if reason:
@@ -207,20 +208,25 @@ class RequeueableTask(submitit.helpers.Checkpointable):
             print(f"[taehv] not requeueing: {reason}", flush=True)
         return reason
 
-    def _note_unrecorded_requeue(self, events: EventLog, job_id: str, restart_count: int, step: int) -> None:
+    def _note_unrecorded_requeue(self, events: EventLog, history: list[dict[str, Any]], env: DistEnv,
+                                 run_dir: Path) -> dict[str, Any] | None:
         """Where Slurm requeued this job while nothing could record it (its node failed, and the batch script
         with it: NODE_FAIL), record it now, as the end of the attempt it ended, with the state Slurm's
-        accounting gives that allocation (`reason`: NODE_FAIL → node_fail; `unrecorded` without one)."""
-        missed = unrecorded_requeue(events.read(), job_id, restart_count)
+        accounting gives that allocation (`reason`: NODE_FAIL → node_fail; `unrecorded` without one).
+        Returns the record written, None where nothing was missed."""
+        missed = unrecorded_requeue(history, env.job_id, env.restart_count)
         if missed is None:
-            return
-        state = self.backend.allocation_state(job_id, restart_count - 1)
-        events.append({"event": "requeue", "time": missed["time"], "segment": missed["segment"],
-                       "reason": (state or "unrecorded").lower(), "step": step, "failed_at_step": None,
-                       "signal_to_saved_s": None, "seconds_lost": None, "job_id": job_id, "by": "slurm",
-                       "noted_at_start": True})
-        print(f"[taehv] Slurm requeued job {job_id} ({state or 'its accounting does not say why'}) while "
+            return None
+        state = self.backend.allocation_state(env.job_id, env.restart_count - 1)
+        step = self._saved_step(run_dir)
+        record = {"event": "requeue", "time": missed["time"], "segment": missed["segment"],
+                  "reason": (state or "unrecorded").lower(), "step": step, "failed_at_step": None,
+                  "signal_to_saved_s": None, "seconds_lost": None, "job_id": env.job_id, "by": "slurm",
+                  "noted_at_start": True}
+        events.append(record)
+        print(f"[taehv] Slurm requeued job {env.job_id} ({state or 'its accounting does not say why'}) while "
               f"nothing could record it: resuming from step {step}", flush=True)
+        return record
 
     def _on_failure(self, ctx: RunContext, err: Exception) -> None:
         error = one_line(err)
