@@ -206,3 +206,16 @@ def test_the_figure_check_finds_a_wrong_figure() -> None:
         round(value(right.figures[0].written) + 0.1, 2)))])
     assert unfound(wrong), wrong.figures
 
+
+def test_every_result_file_is_indexed_and_backs_a_figure() -> None:
+    results = REPO / "bench" / "results"
+    files = {p.name for p in results.iterdir() if p.name != "README.md"}
+    named = re.compile(r"`([\w.-]+\.(?:json|txt|gz))`")
+    index = set(named.findall((results / "README.md").read_text()))
+    figures = set(named.findall((REPO / "docs" / "benchmarks.md").read_text()))
+    assert files - index == set(), "in bench/results/ but not in its README.md"
+    assert files - figures == set(), "in bench/results/ but backing no figure of docs/benchmarks.md"
+    assert (index | figures) - files == set(), "named, but not in bench/results/"
+    # <bench>_<gpu>_<date>_<commit>: gpu 'cpu', 'h200', '4xh200', ...
+    scheme = re.compile(r"[a-z0-9_]+_(cpu|(\d+x)?[a-z]+\d+)_\d{4}-\d{2}-\d{2}_[0-9a-f]{7,}(-dirty)?\.[a-z.]+")
+    assert [f for f in files if not scheme.fullmatch(f)] == []
