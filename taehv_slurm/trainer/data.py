@@ -355,9 +355,10 @@ class VideoFolderClips(Dataset):
         rh, rw = max(h, round(frame.height * scale)), max(w, round(frame.width * scale))
         interp = "AREA" if scale < 1 else "BICUBIC"
         # Colorspace comes from the frame; pass its range too (full-range "JPEG" video would otherwise
-        # be read as limited range and lose contrast).
+        # be read as limited range and lose contrast). One thread: PyAV keeps one scaler per thread, and a
+        # loader worker forked after this process scaled on FFmpeg's threads waits forever for them.
         rgb = frame.to_ndarray(format="rgb24", width=rw, height=rh, interpolation=interp,
-                               src_color_range=frame.color_range or None)
+                               src_color_range=frame.color_range or None, threads=1)
         top, left = (rh - h) // 2, (rw - w) // 2
         return np.ascontiguousarray(rgb[top: top + h, left: left + w])
 
