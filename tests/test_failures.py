@@ -13,6 +13,7 @@ Faults come from outside the task, as a cluster inflicts them:
 - `ecc`: a rank raises the error of a GPU's uncorrectable ECC error (a hardware fault: its node is left out);
 - `killed_twice`: both ranks of a 2-node job are killed by SIGKILL at the same step in every attempt;
 - `lost`: every process of the job SIGKILLed at once (a node that lost power), then Slurm requeues the job.
+And a run whose folder's filesystem fills up under it (its own test, on a small tmpfs).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from taehv_slurm.sacct import requeue_count
 from taehv_slurm.slurm import job_info, seconds_left
 from taehv_slurm.submission import submit
 from taehv_slurm.training import submit_training
-from tests.helpers import REPO, cli, events, make_cluster, tiny_train, wait_done
+from tests.helpers import REPO, cli, events, make_cluster, mounted_tmpfs, quick_train, tiny_train, wait_done
 from tests.tasks import CountingTask, FailsAtStep, FailsWhenTold, MeetsAFault
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -352,3 +353,32 @@ def test_a_node_failure_slurm_requeued_ends_its_attempt_as_that_requeue() -> Non
                   {"JobID": "4.batch", "State": "CANCELLED", "Attempt": 0},
                   {"JobID": "4", "State": "COMPLETED", "Attempt": 1}]
     assert requeue_count(accounting, "4") == 1 and requeue_count(accounting[:2], "4") == 0
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_there_is_room(tmp_path: Path) -> None:
+    # The run folder's filesystem fills under a running job (a quota reached, a shared scratch filling up):
+    # its save fails, and a restart or a requeue would fail the same way at its next save
+    with mounted_tmpfs(tmp_path / "scratch", "size=96m,mode=700") as scratch:
+        cluster = make_cluster(scratch, nodes=1, gpus_per_node=2, time_min=10)
+        train = quick_train(steps=200, **{"intervals.ckpt_every": 20, "intervals.log_every": 5})
+        [job] = submit_training(cluster, train, run_name="full")
+        checkpoints = Checkpointer(RunFolder(job.run_dir).checkpoints)
+        wait_for(lambda: checkpoints.latest_step() is not None, 180, "the first checkpoint")
+        filler = scratch / "filler"  # leaves 256 KiB: room for the events, not for a checkpoint
+        room = shutil.disk_usage(scratch).free - 2**18
+        subprocess.run(["fallocate", "-l", str(room), str(filler)], check=True)
+        assert wait_done(job.job_id, 180) == "FAILED", job.tail(40)
+        kept = checkpoints.latest_step()
+        ends = ("start", "failure", "restart", "requeue", "stopped")
+        outcomes = [e["event"] for e in events(job) if e["event"] in ends]
+        assert outcomes == ["start", "failure"]  # rank 0 records it once; nothing restarts or requeues
+        assert job.error.startswith("SaveFailedError: saving checkpoint step "), job.error
+        assert "(No space left on device)" in job.error
+        assert job.error.endswith(f"the previous checkpoint (step {kept}) is intact; free space there, then "
+                                  f"submit the run again: it resumes from step {kept}"), job.error
+        status = cli("jobs.status", job.job_id, "--job-dir", str(scratch))
+        assert "FAILED" in status.stdout and "No space left on device" in status.stdout, status.stdout
+        filler.unlink()
+        [again] = submit_training(cluster, train, run_name="full")
+        assert wait_done(again.job_id, 300) == "COMPLETED", again.tail(40)
+        assert events(again, "start")[-1]["step"] == kept and checkpoints.latest_step() == 200

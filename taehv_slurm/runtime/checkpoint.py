@@ -17,6 +17,7 @@ name), so a run resumes at any world size and with any engine.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -34,14 +35,21 @@ from taehv_slurm.common.runfolder import fsync_dir, write_text_atomic
 from taehv_slurm.common.security import check_safe_to_load, make_private_dir
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Why a save failed where the same folder refuses it again whichever node retries it (a restart cannot mend
+# it), and what mends it.
+LASTING_FIXES = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space there or ask for a larger quota",
+                 errno.EROFS: "have that filesystem made writable",
+                 errno.EACCES: "fix that folder's permissions", errno.EPERM: "fix that folder's permissions"}
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message says what was kept and what to do."""
+    """A checkpoint could not be written or read; the message says what was kept and what to do.
+    `lasting`: a save that failed for a reason a restart cannot mend (`LASTING_FIXES`)."""
 
-    def __init__(self, message: str, cause: str = "") -> None:
+    def __init__(self, message: str, cause: str = "", lasting: bool = False) -> None:
         super().__init__(message)
         self.cause = cause or message
+        self.lasting = lasting
 
 
 class Checkpointer:
@@ -129,10 +137,13 @@ class Checkpointer:
             previous = self.latest_step()
             kept = (f"the previous checkpoint (step {previous}) is intact" if previous is not None
                     else "no earlier checkpoint exists")
-            raise CheckpointError(
-                f"saving checkpoint step {step} to {self.directory} failed ({_os_cause(err)}); {kept}; "
-                "free space or fix permissions there, the run can resume from it"
-            ) from None
+            failed = _os_error(err)
+            fix = LASTING_FIXES.get(failed.errno) if failed else None
+            resumes = f"resumes from step {previous}" if previous is not None else "starts from step 0"
+            then = f"{fix}, then submit the run again: it {resumes}" if fix else f"a restart {resumes}"
+            raise CheckpointError(f"saving checkpoint step {step} to {self.directory} failed "
+                                  f"({failed.strerror if failed else first_line(err)}); {kept}; {then}",
+                                  lasting=fix is not None) from None
         self._prune()
         self.last_save_seconds = time.monotonic() - start
 
@@ -294,10 +305,11 @@ def _load_failure(err: BaseException) -> str:
             f"library ({reason})")
 
 
-def _os_cause(err: BaseException) -> str:
+def _os_error(err: BaseException) -> OSError | None:
+    """The operating system's error behind `err` (torch's zip writer wraps it in a RuntimeError), if any."""
     cause: BaseException | None = err
     while cause is not None:
         if isinstance(cause, OSError) and cause.strerror:
-            return cause.strerror
+            return cause
         cause = cause.__cause__ or cause.__context__
-    return first_line(err)
+    return None

@@ -32,7 +32,7 @@ from taehv_slurm.common.messages import command, rank_logger
 from taehv_slurm.common.plan import ScalePlan, plan_for
 from taehv_slurm.common.runfolder import RunFolder
 from taehv_slurm.runtime import network
-from taehv_slurm.runtime.checkpoint import Checkpointer, nonfinite_tensors
+from taehv_slurm.runtime.checkpoint import Checkpointer, CheckpointError, nonfinite_tensors
 from taehv_slurm.runtime.context import FatalTaskError, RunContext
 from taehv_slurm.runtime.distenv import DistEnv, destroy_distributed, init_distributed
 from taehv_slurm.runtime.ranks import node_name
@@ -64,6 +64,10 @@ DATA_WAIT_WARN = 0.10  # warn once when the ranks wait for data longer than this
 
 class DivergedError(FatalTaskError):
     """The run diverged past its budget (or its state is not finite): it stops; the message says what next."""
+
+
+class SaveFailedError(FatalTaskError):
+    """A save the run's folder refuses whoever retries it (full, over quota, read-only): the run stops."""
 
 
 def run_training(train: Mapping[str, Any], rt: RuntimeSettings, ctx: RunContext | None) -> dict[str, Any]:
@@ -445,6 +449,7 @@ class Trainer:
                                 f"tensor(s), e.g. {bad[0]}); it was not saved, the last checkpoint stays "
                                 f"latest: lower optim.lr (now {self.cfg.optim.lr:g}) or lengthen "
                                 "optim.warmup_steps, then resubmit")
+        failed = None
         if self.main:
             state = {**state, "rng": rngs, "step": step}
             meta = {"world_size": self.env.world_size, "engine": self.plan.engine,
@@ -452,12 +457,15 @@ class Trainer:
                     "config": self.cfg.to_dict(), "plan": self.plan.to_dict(), "host": socket.gethostname(),
                     "data_position": (step + self.data_offset) * self.plan.effective_batch,
                     "data_offset_steps": self.data_offset, "rollbacks": self.rollbacks}
-            # full_state() already copied everything off the GPU, so the writer thread owns its tensors
-            self.checkpoints.save(state, step, meta, blocking=blocking)
-            if blocking:
-                self.checkpoints.wait()
-        if dist.is_initialized() and self.env.world_size > 1:
-            dist.barrier()
+            try:  # full_state() already copied everything off the GPU: the writer thread owns its tensors
+                self.checkpoints.save(state, step, meta, blocking=blocking)  # raises an earlier one's error
+                if blocking:
+                    self.checkpoints.wait()
+            except CheckpointError as err:
+                failed = (str(err), err.lasting)
+        failed = from_rank0(failed)  # every rank waits for the save (a barrier), and stops alike if it failed
+        if failed:  # a full, read-only or forbidden folder stops the run: a restart would fail the same way
+            raise (SaveFailedError if failed[1] else CheckpointError)(failed[0])
         if self.main:
             seconds = time.perf_counter() - start
             log.info("checkpoint step %d %s in %.2f s", step, "saved" if blocking else "handed to the writer",
