@@ -222,7 +222,6 @@ def test_video_source_pickles_and_works_in_workers(video_dir: Path) -> None:
         assert torch.equal(a["frames"], b["frames"]) and torch.equal(a["index"], b["index"])
 
 
-
 def test_a_worker_forked_after_the_main_process_decoded_decodes_too(video_dir: Path) -> None:
     # PyAV keeps one frame scaler per thread; scaling on FFmpeg's own threads (its default), a DataLoader
     # worker forked after the main process had scaled a frame waited forever for threads it does not have
@@ -230,6 +229,7 @@ def test_a_worker_forked_after_the_main_process_decoded_decodes_too(video_dir: P
     first = clips[0]["frames"]
     loader = DataLoader(clips, batch_size=None, num_workers=1, timeout=30)  # a hang fails, not waits
     assert torch.equal(next(iter(loader))["frames"], first)
+
 
 # ------------------------------------------------------------------------------------------------ order
 
