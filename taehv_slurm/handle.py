@@ -307,7 +307,15 @@ class JobHandle:
                 fix = event.get("fix", "")
                 return event.get("rank"), (f"saved step {event['step']} but could not requeue: "
                                            f"{event['error']}; {fix}").rstrip("; ")
-        return None, controller.get("error") or None
+        if controller.get("error"):
+            return None, controller["error"]
+        from taehv_slurm.runtime.checkpoint import Checkpointer
+
+        # nothing recorded: a run folder that cannot be written now says why the job failed
+        if (no_room := Checkpointer(RunFolder(self.run_dir).checkpoints).no_room()) is None:
+            return None, None
+        state = self.state
+        return None, no_room if slurm.is_final(state) and not slurm.is_success(state) else None
 
     def last_step(self) -> int | None:
         """The last step rank 0 logged in this job (a run resubmitted under its name holds later jobs'

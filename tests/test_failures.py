@@ -13,7 +13,8 @@ Faults come from outside the task, as a cluster inflicts them:
 - `ecc`: a rank raises the error of a GPU's uncorrectable ECC error (a hardware fault: its node is left out);
 - `killed_twice`: both ranks of a 2-node job are killed by SIGKILL at the same step in every attempt;
 - `lost`: every process of the job SIGKILLed at once (a node that lost power), then Slurm requeues the job.
-And a run whose folder's filesystem fills up under it (its own test, on a small tmpfs).
+And a run whose folder's filesystem fills up under it, to the last byte, or turns read-only (their own tests,
+on a small tmpfs).
 """
 
 from __future__ import annotations
@@ -382,3 +383,59 @@ def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_there_is_room
         [again] = submit_training(cluster, train, run_name="full")
         assert wait_done(again.job_id, 300) == "COMPLETED", again.tail(40)
         assert events(again, "start")[-1]["step"] == kept and checkpoints.latest_step() == 200
+
+
+def steps_of(job_id: str) -> list[str]:
+    """The job steps Slurm ran for `job_id` (`5.0`, `5.1` after a restart inside the allocation)."""
+    out = subprocess.run(["sacct", "-n", "-P", "-o", "JobID", "-j", job_id], capture_output=True, text=True,
+                         check=True).stdout.split()
+    return [s for s in out if s.split(".")[-1].isdigit() and "." in s]
+
+
+def started_and_saved(scratch: Path, name: str) -> tuple[JobHandle, Checkpointer]:
+    cluster = make_cluster(scratch, nodes=1, gpus_per_node=2, time_min=10)
+    train = quick_train(steps=400, **{"intervals.ckpt_every": 20, "intervals.log_every": 5})
+    [job] = submit_training(cluster, train, run_name=name)
+    checkpoints = Checkpointer(RunFolder(job.run_dir).checkpoints)
+    wait_for(lambda: checkpoints.latest_step() is not None, 180, "the first checkpoint")
+    return job, checkpoints
+
+
+def test_a_disk_full_to_the_last_byte_stops_the_run_at_its_next_write_in_one_line(tmp_path: Path) -> None:
+    # Not even a metrics line fits (the save's room is not what runs out first): no restart meets it again
+    with mounted_tmpfs(tmp_path / "scratch", "size=96m,mode=700") as scratch:
+        job, checkpoints = started_and_saved(scratch, "full")
+        subprocess.run(["fallocate", "-l", str(shutil.disk_usage(scratch).free), str(scratch / "filler")],
+                       check=True)
+        assert shutil.disk_usage(scratch).free == 0
+        assert wait_done(job.job_id, 120) == "FAILED", job.tail(40)
+        kept = checkpoints.latest_step()
+        assert steps_of(job.job_id) == [f"{job.job_id}.0"]  # the ranks were not started again
+        status = cli("jobs.status", job.job_id, "--job-dir", str(scratch)).stdout
+        assert "FAILED" in status and "No space left on device" in status, status
+        assert f"free space there, then submit the run again: it resumes from step {kept}" in status, status
+        # what a file's page still held was recorded: once, as the run's end, by the rank that met it
+        if recorded := [e for e in events(job) if e["event"] in ("failure", "restart", "stopped")]:
+            assert [(e["event"], e.get("fatal")) for e in recorded] == [("failure", True)], recorded
+
+
+def test_a_run_folder_turned_read_only_fails_the_job_and_status_says_why(tmp_path: Path) -> None:
+    # A filesystem remounted read-only under a running job (as one does after errors): nothing can record
+    # the failure, so `taehv status` finds it; the job ends at once instead of restarting into it
+    with mounted_tmpfs(tmp_path / "scratch", "size=96m,mode=700") as scratch:
+        job, checkpoints = started_and_saved(scratch, "ro")
+        # read-only from here for every path under it (files already open stay writable: the logs)
+        subprocess.run(["mount", "--bind", str(scratch), str(scratch)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(scratch)], check=True)
+            assert wait_done(job.job_id, 120) == "FAILED"
+            kept = checkpoints.latest_step()
+            assert steps_of(job.job_id) == [f"{job.job_id}.0"]
+            status = cli("jobs.status", job.job_id, "--job-dir", str(scratch))
+        finally:
+            subprocess.run(["umount", "-l", str(scratch)], check=True)
+        assert status.returncode == 0, status.stderr
+        why = (f"Read-only file system: {job.run_dir} (now; the job recorded no cause); the last checkpoint "
+               f"(step {kept}) is intact; have that filesystem made writable, then submit the run again: it "
+               f"resumes from step {kept}")
+        assert "FAILED" in status.stdout and why in status.stdout, status.stdout

@@ -174,6 +174,10 @@ class EventLog:
             os.write(fd, (("\n" if cut else "") + line + "\n").encode())
             if durable:
                 os.fsync(fd)
+        except OSError as err:
+            if err.filename is None:  # os.write and os.fsync name no file: a full disk's error says which
+                raise OSError(err.errno, err.strerror, str(self.path)) from err
+            raise
         finally:
             os.close(fd)  # and the lock with it
 

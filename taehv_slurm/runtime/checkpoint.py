@@ -41,6 +41,8 @@ LASTING_FIXES = {errno.ENOSPC: "free space there", errno.EDQUOT: "free space the
                  errno.EROFS: "have that filesystem made writable",
                  errno.EACCES: "fix that folder's permissions", errno.EPERM: "fix that folder's permissions"}
 
+NO_ROOM_BYTES = 2**20  # free space under which a filesystem counts as full (for `Checkpointer.no_room`)
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message says what was kept and what to do.
@@ -134,18 +136,50 @@ class Checkpointer:
             self._point_latest(final.name)
         except (OSError, RuntimeError) as err:  # torch's zip writer wraps ENOSPC in a RuntimeError
             shutil.rmtree(tmp, ignore_errors=True)
-            previous = self.latest_step()
-            kept = (f"the previous checkpoint (step {previous}) is intact" if previous is not None
-                    else "no earlier checkpoint exists")
             failed = _os_error(err)
             fix = LASTING_FIXES.get(failed.errno) if failed else None
-            resumes = f"resumes from step {previous}" if previous is not None else "starts from step 0"
-            then = f"{fix}, then submit the run again: it {resumes}" if fix else f"a restart {resumes}"
+            then = self._kept_and_next("previous", fix)
             raise CheckpointError(f"saving checkpoint step {step} to {self.directory} failed "
-                                  f"({failed.strerror if failed else first_line(err)}); {kept}; {then}",
+                                  f"({failed.strerror if failed else first_line(err)}); {then}",
                                   lasting=fix is not None) from None
         self._prune()
         self.last_save_seconds = time.monotonic() - start
+
+    def _kept_and_next(self, which: str, fix: str | None) -> str:
+        """'the <which> checkpoint (step N) is intact; ' and what follows: `fix` then a new submission, or
+        (no fix: a failure that may not repeat) a restart."""
+        kept = self.latest_step()
+        resumes = f"resumes from step {kept}" if kept is not None else "starts from step 0"
+        return ((f"the {which} checkpoint (step {kept}) is intact; " if kept is not None
+                 else "no checkpoint exists yet; ")
+                + (f"{fix}, then submit the run again: it {resumes}" if fix else f"a restart {resumes}"))
+
+    def lasting_failure(self, err: BaseException) -> str | None:
+        """One line for a failure no restart mends, else None: the operating system refused a file (a full
+        disk or quota, a read-only filesystem, permissions) as it would whichever node retried: the file,
+        the checkpoint kept, the fix (`LASTING_FIXES`)."""
+        failed = _os_error(err)
+        fix = LASTING_FIXES.get(failed.errno) if failed else None
+        if fix is None:
+            return None
+        where = f": {failed.filename}" if failed.filename else ""
+        return f"{type(failed).__name__}: {failed.strerror}{where}; {self._kept_and_next('last', fix)}"
+
+    def no_room(self) -> str | None:
+        """For a job that failed without a recorded cause: a line as `lasting_failure`'s where the filesystem
+        of these checkpoints is read-only or full now (nothing could record the cause), else None."""
+        try:
+            fs = os.statvfs(self.directory if self.directory.exists() else self.directory.parent)
+        except OSError:
+            return None
+        if fs.f_flag & os.ST_RDONLY:
+            code = errno.EROFS
+        elif fs.f_bavail * fs.f_frsize < NO_ROOM_BYTES:
+            code = errno.ENOSPC
+        else:
+            return None
+        return (f"OSError: {os.strerror(code)}: {self.directory.parent} (now; the job recorded no cause); "
+                f"{self._kept_and_next('last', LASTING_FIXES[code])}")
 
     def _point_latest(self, name: str) -> None:
         write_text_atomic(self.directory / "latest", name + "\n", 0o600 if not self.group else 0o640)

@@ -20,6 +20,7 @@ without the killed ranks' nodes. The grace each signal gets comes from the clust
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -228,6 +229,21 @@ class RequeueableTask(submitit.helpers.Checkpointable):
               f"nothing could record it: resuming from step {step}", flush=True)
         return record
 
+    def _on_lasting_failure(self, ctx: RunContext, error: str) -> None:
+        """A failure no restart mends (a full disk, a read-only run folder), met by this rank alone: recorded
+        as the run's end, and the step ended so that the other ranks do not wait for it in a collective. Where
+        not even that line can be written, it still reaches the rank's log."""
+        ends_step = self.restarts_here()
+        try:
+            ctx.events.write("failure", segment=ctx.segment, rank=ctx.env.rank, step=ctx.step, error=error,
+                             fatal=True, job_id=ctx.env.job_id, host=node_name(),
+                             **({"ends_step": True} if ends_step else {}))
+        except OSError as unwritten:
+            error += f" (not recorded in {ctx.events.path}: {unwritten.strerror})"
+        _say(f"[taehv] rank {ctx.env.rank}: {error}")
+        if ends_step:
+            self.backend.end_step()
+
     def _on_failure(self, ctx: RunContext, err: Exception) -> None:
         error = one_line(err)
         if isinstance(err, FatalTaskError):  # the same on every rank: rank 0 records it, in one line
@@ -236,11 +252,17 @@ class RequeueableTask(submitit.helpers.Checkpointable):
                                  fatal=True, job_id=ctx.env.job_id, host=node_name())
             print(f"[taehv] rank {ctx.env.rank}: {error}", flush=True)
             return
+        if (lasting := Checkpointer(RunFolder(ctx.run_dir).checkpoints).lasting_failure(err)) is not None:
+            self._on_lasting_failure(ctx, lasting)
+            return
         settled = [e for e in ctx.events.read() if e.get("job_id") == ctx.env.job_id
-                   and e.get("segment") == ctx.segment and e["event"] in ("requeue", "hang", "cancelled")]
+                   and e.get("segment") == ctx.segment
+                   and (e["event"] in ("requeue", "hang", "cancelled") or e.get("fatal"))]
         if settled:  # the job is already being restarted or ended: this failure is its echo (a lost peer)
             print(f"[taehv] rank {ctx.env.rank}: {error} (after the job's {settled[-1]['event']}: leaving)",
                   flush=True)
+            if settled[-1].get("fatal"):
+                return  # a peer's failure ended the run: nothing to requeue
             raise RequeueExit(self.backend.requeue_exit_code) from None
         restartable = (self.requeue_on_failure and ctx.start_step is not None
                        and self.backend.restarts_after_failure)
@@ -318,6 +340,17 @@ class RequeueableTask(submitit.helpers.Checkpointable):
 
     # ------------------------------------------------------------------------------ after the ranks
     def after_ranks(self, status: int, last_error: str = "") -> int:
+        """`_after_ranks`, except that a run folder the batch script cannot write (the disk full, ...) ends
+        the job with one line, not a restart or a requeue that would meet it again."""
+        try:
+            return self._after_ranks(status, last_error)
+        except OSError as err:
+            if (line := Checkpointer(RunFolder(self.run_dir).checkpoints).lasting_failure(err)) is None:
+                raise
+            _say(f"error: {line}")
+            return status or 1
+
+    def _after_ranks(self, status: int, last_error: str = "") -> int:
         """Where the ranks were started from, once all ended with `status` (srun's: non-zero when one
         failed, 128 + N when one was killed by signal N): record what the ranks could not — ranks ended
         from outside, a job that died before its task began — and requeue the job off the dead ranks'
@@ -387,3 +420,10 @@ def unrecorded_requeue(history: list[dict[str, Any]], job_id: str,
     if any(e["event"] == "requeue" for e in since):
         return None
     return {"segment": since[0]["segment"], "time": max(e["time"] for e in since)}
+
+
+def _say(line: str) -> None:
+    """Print one line to the job's log, which may be on the disk that is full: then the line is lost, not the
+    exit status."""
+    with contextlib.suppress(OSError):
+        print(line, flush=True)
