@@ -192,6 +192,32 @@ def test_disk_full_keeps_the_previous_latest(small_disk: Path) -> None:
     assert not list((small_disk / "ck").glob("*.tmp-*"))  # the partial write was cleaned up
 
 
+def test_a_write_refused_in_the_job_folder_is_lasting_and_a_nodes_own_disk_is_not(small_disk: Path) -> None:
+    """The run stops at once only where any node would meet the same refusal: a file of the job folder (on
+    storage every node shares), refused as full (a real full disk here), read-only or not permitted. A
+    node's own /tmp full, or an I/O error, may be mended by a restart: None, the failure restarts as any."""
+    from taehv_slurm.common.runfolder import RunFolder
+
+    run = RunFolder(small_disk / "jobs" / "run")
+    ckpt = Checkpointer(run.checkpoints)
+    ckpt.save(state_for(1, 1), 1)
+    (small_disk / "filler").write_bytes(b"\0" * 4096)  # its page, then all the rest
+    subprocess.run(["fallocate", "-l", str(os.statvfs(small_disk).f_bavail * 4096), str(small_disk / "more")],
+                   check=True)
+    with pytest.raises(OSError) as full:
+        for _ in range(10_000):  # past the slack of the file's last page
+            run.events().write("checkpoint", step=1, padding="x" * 400)
+    assert full.value.filename == str(run.events().path)  # the event log names its file (os.write does not)
+    assert ckpt.lasting_failure(full.value) == (
+        f"OSError: No space left on device: {run.events().path}; the last checkpoint (step 1) is intact; "
+        "free space there, then submit the run again: it resumes from step 1")
+    assert ckpt.no_room() is not None and "No space left on device" in ckpt.no_room()
+    node_tmp = OSError(full.value.errno, full.value.strerror, "/tmp/torchinductor_root/abc.so")
+    io_error = OSError(5, "Input/output error", str(run.events().path))
+    unnamed = OSError(full.value.errno, full.value.strerror)
+    assert [ckpt.lasting_failure(e) for e in (node_tmp, io_error, unnamed)] == [None, None, None]
+
+
 def test_preflight_wants_room_for_the_checkpoints_kept_and_one_more(tmp_path: Path) -> None:
     """Preflight's `checkpoint folder` row asks for keep_checkpoints + 1 checkpoints (a new one is complete
     before the oldest goes), each the model's fp32 weights and two AdamW moments (12 bytes a parameter) plus

@@ -155,15 +155,19 @@ class Checkpointer:
                 + (f"{fix}, then submit the run again: it {resumes}" if fix else f"a restart {resumes}"))
 
     def lasting_failure(self, err: BaseException) -> str | None:
-        """One line for a failure no restart mends, else None: the operating system refused a file (a full
-        disk or quota, a read-only filesystem, permissions) as it would whichever node retried: the file,
-        the checkpoint kept, the fix (`LASTING_FIXES`)."""
+        """One line for a failure no restart mends, else None: the operating system refused a file of the job
+        folder these checkpoints are in (a full disk or quota, a read-only filesystem, permissions), storage
+        every node shares, so any node that retried would meet it: the file, the checkpoint kept, the fix
+        (`LASTING_FIXES`). A node's own disk (its /tmp full) is not this: a restart elsewhere may mend it."""
         failed = _os_error(err)
         fix = LASTING_FIXES.get(failed.errno) if failed else None
-        if fix is None:
+        if fix is None or not failed.filename:
             return None
-        where = f": {failed.filename}" if failed.filename else ""
-        return f"{type(failed).__name__}: {failed.strerror}{where}; {self._kept_and_next('last', fix)}"
+        job_dir = os.path.abspath(self.directory.parent.parent)
+        if not Path(os.path.abspath(failed.filename)).is_relative_to(job_dir):
+            return None
+        then = self._kept_and_next("last", fix)
+        return f"{type(failed).__name__}: {failed.strerror}: {failed.filename}; {then}"
 
     def no_room(self) -> str | None:
         """For a job that failed without a recorded cause: a line as `lasting_failure`'s where the filesystem
