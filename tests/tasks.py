@@ -182,11 +182,12 @@ class FailsAtStep:
 class MeetsAFault:
     """Trains like CountingTask (rank 0 saves every step) and, at `step`, meets a fault from outside its code:
     `ecc` raises what a GPU with an uncorrectable ECC error raises, in the first attempt only (the next one
-    finishes `steps`); `kill` has every rank wait `wait_s` (its watchdog records the step meanwhile), then
+    finishes `steps`); `disk`, in the first attempt only, writes a cache file into `folder`, a node's own
+    disk that is full; `kill` has every rank wait `wait_s` (its watchdog records the step meanwhile), then
     die by SIGKILL, in every attempt (as an out-of-memory kill at the same step repeats)."""
 
-    def __init__(self, fault: str, step: int, steps: int, wait_s: float = 0.0) -> None:
-        self.fault, self.step, self.steps, self.wait_s = fault, step, steps, wait_s
+    def __init__(self, fault: str, step: int, steps: int, wait_s: float = 0.0, folder: str = "") -> None:
+        self.fault, self.step, self.steps, self.wait_s, self.folder = fault, step, steps, wait_s, folder
 
     def __call__(self, ctx: Any) -> int:
         import os
@@ -202,6 +203,9 @@ class MeetsAFault:
             ctx.step_boundary(step, save)
             if step == self.step and self.fault == "ecc" and ctx.env.restart_count == 0:
                 raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+            if step == self.step and self.fault == "disk" and ctx.env.restart_count == 0:
+                with open(os.path.join(self.folder, f"cache-{ctx.env.rank}.bin"), "wb") as cache:
+                    cache.write(b"\0" * 2**20)  # ENOSPC at its flush, naming no file (as buffered writes do)
             if step == self.step and self.fault == "kill":
                 time.sleep(self.wait_s)
                 os.kill(os.getpid(), signal.SIGKILL)

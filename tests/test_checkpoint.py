@@ -195,7 +195,7 @@ def test_disk_full_keeps_the_previous_latest(small_disk: Path) -> None:
 def test_a_write_refused_in_the_job_folder_is_lasting_and_a_nodes_own_disk_is_not(small_disk: Path) -> None:
     """The run stops at once only where any node would meet the same refusal: a file of the job folder (on
     storage every node shares), refused as full (a real full disk here), read-only or not permitted. A
-    node's own /tmp full, or an I/O error, may be mended by a restart: None, the failure restarts as any."""
+    node's own /tmp full is that node's fault (a restart without it may mend it); an I/O error, neither."""
     from taehv_slurm.common.runfolder import RunFolder
 
     run = RunFolder(small_disk / "jobs" / "run")
@@ -216,6 +216,9 @@ def test_a_write_refused_in_the_job_folder_is_lasting_and_a_nodes_own_disk_is_no
     io_error = OSError(5, "Input/output error", str(run.events().path))
     unnamed = OSError(full.value.errno, full.value.strerror)
     assert [ckpt.lasting_failure(e) for e in (node_tmp, io_error, unnamed)] == [None, None, None]
+    # the node's own disk (its file outside the job folder, or one no file names): that node is left out
+    nodes_disk = [ckpt.on_a_nodes_disk(e) for e in (full.value, node_tmp, io_error, unnamed)]
+    assert nodes_disk == [False, True, False, True]
 
 
 def test_preflight_wants_room_for_the_checkpoints_kept_and_one_more(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ Faults come from outside the task, as a cluster inflicts them:
 - `step_killed`: `scancel --signal=KILL JOB.0`, every process of the job step at once;
 - `unreleased`: a rank killed as above where scontrol refuses to release the job it requeued held;
 - `ecc`: a rank raises the error of a GPU's uncorrectable ECC error (a hardware fault: its node is left out);
+- `disk`: a rank's write to its node's own disk (a /tmp cache) finds it full (the node is left out too);
 - `killed_twice`: both ranks of a 2-node job are killed by SIGKILL at the same step in every attempt;
 - `lost`: every process of the job SIGKILLed at once (a node that lost power), then Slurm requeues the job.
 And a run whose folder's filesystem fills up under it, to the last byte, or turns read-only (their own tests,
@@ -61,6 +62,7 @@ class Jobs:
     step_killed: JobHandle
     unreleased: JobHandle
     ecc: JobHandle
+    disk: JobHandle
     killed_twice: JobHandle
     late: JobHandle
     lost: JobHandle
@@ -76,6 +78,13 @@ LATE_SIGNAL_DELAY_S, LATE_TIME_MIN = 30, 4
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
     job_dir = tmp_path_factory.mktemp("failures")
+    with mounted_tmpfs(tmp_path_factory.mktemp("node-tmp"), "size=1m,mode=700") as node_tmp:
+        subprocess.run(["fallocate", "-l", str(shutil.disk_usage(node_tmp).free), str(node_tmp / "full")],
+                       check=True)
+        yield from submitted_jobs(job_dir, node_tmp)
+
+
+def submitted_jobs(job_dir: Path, node_tmp: Path) -> Iterator[Jobs]:
     one = make_cluster(job_dir, nodes=1, gpus_per_node=1, time_min=10)
     missing = tiny_train(steps=5, **{"data.source": "video", "data.path": str(job_dir / "no-videos")})
     # The killed ones run until killed, then finish 20 steps after their restart.
@@ -89,6 +98,7 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
                  unreleased=submit(until_killed, dataclasses.replace(
                      one, env={"TAEHV_SCONTROL": str(refusing_release_scontrol(job_dir))}), "unreleased"),
                  ecc=submit(MeetsAFault("ecc", step=3, steps=6), one, "ecc"),
+                 disk=submit(MeetsAFault("disk", step=3, steps=6, folder=str(node_tmp)), one, "disk"),
                  # a heartbeat of 1 s: the ranks' records show the step before they die 2.5 s into it
                  killed_twice=submit(MeetsAFault("kill", step=3, steps=6, wait_s=2.5), make_cluster(
                      job_dir, nodes=2, gpus_per_node=1, time_min=10, heartbeat_s=1), "killed-twice"),
@@ -101,9 +111,8 @@ def jobs(slurm_cluster, tmp_path_factory) -> Iterator[Jobs]:
     try:
         yield found
     finally:
-        subprocess.run(["scancel", found.killed.job_id, found.step_killed.job_id, found.unreleased.job_id,
-                        found.ecc.job_id, found.killed_twice.job_id, found.late.job_id, found.lost.job_id],
-                       capture_output=True)
+        handles = [getattr(found, f.name) for f in dataclasses.fields(found) if f.name != "job_dir"]
+        subprocess.run(["scancel", *(h.job_id for h in handles)], capture_output=True)
 
 
 def refusing_release_scontrol(folder: Path) -> Path:
@@ -257,6 +266,21 @@ def test_a_hardware_error_moves_the_job_off_its_node(jobs: Jobs) -> None:
     assert (requeue["reason"], requeue["excluded"], requeue["excluded_now"]) == (
         "failure", [first["host"]], [first["host"]])
     assert second["host"] != first["host"] and second["step"] == requeue["step"] == 3
+
+
+def test_a_nodes_own_disk_full_moves_the_job_off_that_node(jobs: Jobs) -> None:
+    """A write to the node's own disk (its /tmp, not the shared job folder) that finds it full is a node
+    fault, as a GPU's: the job is requeued without that node, not stopped as a full job folder stops it."""
+    handle = jobs.disk
+    assert wait_done(handle.job_id, 300) == "COMPLETED", handle.tail(60)
+    first, second = events(handle, "start")
+    (failure,) = events(handle, "failure")
+    seen = (failure["error"], failure["step"], failure["host"], failure.get("node_fault"))
+    assert seen == ("OSError: [Errno 28] No space left on device", 3, first["host"], True), failure
+    assert not failure.get("fatal")
+    (requeue,) = events(handle, "requeue")
+    assert (requeue["excluded"], requeue["excluded_now"]) == ([first["host"]], [first["host"]])
+    assert second["host"] != first["host"] and second["step"] == 3
 
 
 def test_a_rank_killed_at_the_same_step_twice_stops_and_exclusion_leaves_room(jobs: Jobs) -> None:

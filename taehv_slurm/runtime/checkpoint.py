@@ -158,16 +158,30 @@ class Checkpointer:
         """One line for a failure no restart mends, else None: the operating system refused a file of the job
         folder these checkpoints are in (a full disk or quota, a read-only filesystem, permissions), storage
         every node shares, so any node that retried would meet it: the file, the checkpoint kept, the fix
-        (`LASTING_FIXES`). A node's own disk (its /tmp full) is not this: a restart elsewhere may mend it."""
-        failed = _os_error(err)
-        fix = LASTING_FIXES.get(failed.errno) if failed else None
-        if fix is None or not failed.filename:
+        (`LASTING_FIXES`). A node's own disk is not this (`on_a_nodes_disk`)."""
+        failed, in_job_folder = self._refused(err)
+        if failed is None or not in_job_folder:
             return None
-        job_dir = os.path.abspath(self.directory.parent.parent)
-        if not Path(os.path.abspath(failed.filename)).is_relative_to(job_dir):
-            return None
-        then = self._kept_and_next("last", fix)
+        then = self._kept_and_next("last", LASTING_FIXES[failed.errno])
         return f"{type(failed).__name__}: {failed.strerror}: {failed.filename}; {then}"
+
+    def on_a_nodes_disk(self, err: BaseException) -> bool:
+        """Whether `err` is a disk full or read-only outside the job folder (a node's /tmp, a local cache; an
+        error naming no file too: every write of the job folder names its file): a fault of that node, which
+        a restart without it may mend."""
+        failed, in_job_folder = self._refused(err)
+        return failed is not None and not in_job_folder and failed.errno in (errno.ENOSPC, errno.EROFS)
+
+    def _refused(self, err: BaseException) -> tuple[OSError | None, bool | None]:
+        """The operating system's refusal behind `err` that a retry on the same storage meets again
+        (`LASTING_FIXES`), and whether the file it names is in the job folder (None: it names none)."""
+        failed = _os_error(err)
+        if failed is None or failed.errno not in LASTING_FIXES:
+            return None, None
+        if not failed.filename:
+            return failed, None
+        job_dir = os.path.abspath(self.directory.parent.parent)
+        return failed, Path(os.path.abspath(failed.filename)).is_relative_to(job_dir)
 
     def no_room(self) -> str | None:
         """For a job that failed without a recorded cause: a line as `lasting_failure`'s where the filesystem

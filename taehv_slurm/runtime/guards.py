@@ -36,9 +36,16 @@ def is_communication_error(error: str) -> bool:
     return any(mark.lower() in error.lower() for mark in COMMUNICATION_MARKS)
 
 
+def leaves_its_node_out(failure: dict[str, Any]) -> bool:
+    """A failure that names its node: a GPU's hardware error, or the node's own disk full or read-only
+    (`node_fault`, taehv_slurm.runtime.checkpoint.Checkpointer.on_a_nodes_disk). Its node is excluded from
+    the next attempt."""
+    return bool(failure.get("node_fault")) or is_hardware_fault(str(failure.get("error") or ""))
+
+
 def is_node_fault(event: dict[str, Any]) -> bool:
     error = str(event.get("error") or "")
-    return event["event"] in ("killed", "hang") or is_hardware_fault(error) or is_communication_error(error)
+    return event["event"] in ("killed", "hang") or leaves_its_node_out(event) or is_communication_error(error)
 
 
 def signature(event: dict[str, Any]) -> str:

@@ -42,7 +42,7 @@ from taehv_slurm.runtime import collector, signals
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.context import FatalTaskError, RequeueExit, RunContext, StopFlag, grace_seconds
 from taehv_slurm.runtime.distenv import DistEnv, attempt_of_environ
-from taehv_slurm.runtime.guards import Guards, is_communication_error, is_hardware_fault
+from taehv_slurm.runtime.guards import Guards, is_communication_error, leaves_its_node_out
 from taehv_slurm.runtime.rank_backend import RankBackend
 from taehv_slurm.runtime.ranks import RankFile, describe_ranks, killed_ranks, node_name, read_ranks
 from taehv_slurm.runtime.runlock import RunLock
@@ -270,6 +270,8 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         # the echo of a peer that died (a lost connection): then the peer's own end names the cause.
         ends_step = restartable and self.restarts_here() and not is_communication_error(error)
         marks = {"ends_step": True} if ends_step else {}
+        if Checkpointer(RunFolder(ctx.run_dir).checkpoints).on_a_nodes_disk(err):
+            marks["node_fault"] = True
         ctx.events.write("failure", segment=ctx.segment, rank=ctx.env.rank, step=ctx.step, error=error,
                          job_id=ctx.env.job_id, host=node_name(), **marks)
         traceback.print_exc()
@@ -286,7 +288,8 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         except FileExistsError:
             # another rank requeues: leave quietly, so the job is not ended before it does
             raise RequeueExit(self.backend.requeue_exit_code) from None
-        exclude = [node_name()] if self.exclude_failed_nodes and is_hardware_fault(error) else []
+        its_node = self.exclude_failed_nodes and leaves_its_node_out({**marks, "error": error})
+        exclude = [node_name()] if its_node else []
         event = self._requeue_or_stop(ctx.events, ctx.run_dir, ctx.env.job_id, ctx.segment, "failure",
                                       ctx.step, exclude, since=ctx.start_time)
         if event == "stopped":

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from taehv_slurm.common.runfolder import EventLog, RunFolder
 from taehv_slurm.runtime.checkpoint import Checkpointer
 from taehv_slurm.runtime.distenv import attempt_of_environ
-from taehv_slurm.runtime.guards import is_hardware_fault
+from taehv_slurm.runtime.guards import leaves_its_node_out
 from taehv_slurm.runtime.ranks import killed_ranks, read_ranks
 from taehv_slurm.runtime.steps import (
     FOLLOW_UP_EXIT_CODE,
@@ -108,7 +108,7 @@ def find_fault(task: RequeueableTask, window: list[dict[str, Any]], records: lis
         first = next((e for e in failures if e.get("ends_step")), failures[0])
         if first.get("fatal") or not task.requeue_on_failure:
             return None
-        hosts = [first["host"]] if is_hardware_fault(str(first.get("error"))) and first.get("host") else []
+        hosts = [first["host"]] if leaves_its_node_out(first) and first.get("host") else []
         return {"cause": "failure", "hosts": hosts, "time": first["time"], "step": first.get("step")}
     signalled = next((e for e in window if e["event"] == "step_ended"), None)
     if signalled is not None:
