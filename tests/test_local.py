@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ import pytest
 from bench.faults import wait_for
 from taehv_slurm.common.config import load_cluster
 from taehv_slurm.common.runfolder import RunFolder
+from taehv_slurm.runtime.supervisor import RankCommand, Supervisor
 from taehv_slurm.submission import submit
 from tests.helpers import REPO, cli, metrics, read_strictly
 
@@ -203,3 +205,13 @@ def test_the_gpus_a_local_run_may_use_are_those_cuda_visible_devices_names(tmp_p
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-5e1c,2"}, tmp_path) == ["GPU-5e1c", "2"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,-1,3"}, tmp_path) == ["2"]  # CUDA stops at -1
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}, tmp_path) == []
+
+
+def test_a_restart_after_a_requeue_is_not_ended_by_the_grace_of_the_stop_before_it() -> None:
+    """The controller runs the ranks again with the same Supervisor after a requeue: the grace it gave the
+    ranks that saved and asked for a restart ends with them, not a few seconds into the restart."""
+    supervisor = Supervisor(grace_s=2, requeue_code=3, say=lambda line: None)
+    assert supervisor.run([RankCommand([sys.executable, "-c", "raise SystemExit(3)"], os.environ)]).requeue
+    began = time.monotonic()
+    restart = supervisor.run([RankCommand([sys.executable, "-c", "import time; time.sleep(4)"], os.environ)])
+    assert restart.exit_codes == [0] and not restart.killed and time.monotonic() - began >= 4

@@ -90,6 +90,7 @@ class Supervisor:
         them (a time limit: USR2 as the warning, then SIGTERM, which starts the grace and marks a timeout)."""
         now = time.monotonic()
         self.deadlines = sorted((now + delay, sig) for delay, sig in deadlines)
+        self.stop_deadline = float("inf")  # a grace the last run's ranks left unused ends with them
         self.outcome = Outcome(exit_codes=[None] * len(commands))
         labels = [c.label or f"rank {i}" for i, c in enumerate(commands)]
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}

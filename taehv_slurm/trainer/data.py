@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from taehv_slurm.common.config import VIDEO_EXTENSIONS
 from taehv_slurm.common.train_config import video_folder_missing
 from taehv_slurm.runtime.signals import ignore_in_worker
+from taehv_slurm.trainer.shared_memory import batches, in_shared_memory, stack_shared
 
 log = logging.getLogger(__name__)
 
@@ -444,11 +445,11 @@ def collate_clips(items: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [it[key] for it in items]
         first = vals[0]
         if isinstance(first, torch.Tensor):
-            out[key] = torch.stack(vals)
+            out[key] = stack_shared(vals)  # in a worker: into shared memory, once
         elif isinstance(first, (int, np.integer)) and not isinstance(first, bool):
-            out[key] = torch.tensor(vals, dtype=torch.long)
+            out[key] = in_shared_memory(torch.tensor(vals, dtype=torch.long))
         elif isinstance(first, (float, np.floating)):
-            out[key] = torch.tensor(vals, dtype=torch.float32)
+            out[key] = in_shared_memory(torch.tensor(vals, dtype=torch.float32))
         else:
             out[key] = vals
     return out
@@ -484,4 +485,4 @@ def microbatches(source: Dataset, order: GlobalOrder, start_step: int, effective
     extra: dict[str, Any] = {"prefetch_factor": prefetch_factor} if num_workers > 0 else {}
     loader = DataLoader(source, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate_clips,
                         pin_memory=pin_memory, worker_init_fn=ignore_in_worker, **extra)
-    yield from loader
+    yield from batches(loader)

@@ -38,6 +38,7 @@ from taehv_slurm.trainer.shards import (
     verify,
     write_shard,
 )
+from taehv_slurm.trainer.shared_memory import batches, fitted_loader, frames_bytes, in_shared_memory
 
 if TYPE_CHECKING:
     import torch
@@ -108,9 +109,11 @@ class _WindowReader:
 
     def __getitem__(self, window: int) -> dict[str, Any]:
         try:
-            return {"window": window, "frames": self.clips.read_window(window), "error": ""}
+            frames = self.clips.read_window(window)
         except Exception as err:  # one bad window never stops a shard: it is recorded as failed
             return {"window": window, "frames": None, "error": one_line(err)[:300]}
+        # in a worker, into shared memory here, where a full /dev/shm is an error the loader passes on
+        return {"window": window, "frames": in_shared_memory(frames), "error": ""}
 
 
 class _Worker:
@@ -223,10 +226,13 @@ class _Worker:
         workers = self.task.workers
         if workers is None:
             workers = max(1, min(8, cpus - 1)) if self.device.type == "cuda" else 0
+        spec = clips.spec
+        workers, prefetch = fitted_loader(workers, 4, frames_bytes(spec.frames, spec.height, spec.width),
+                                          self.env, log)
         loader = DataLoader(_WindowReader(clips), batch_size=None, sampler=windows, num_workers=workers,
-                            pin_memory=self.device.type == "cuda", prefetch_factor=4 if workers else None,
-                            worker_init_fn=ignore_in_worker)
-        return iter(loader)
+                            pin_memory=self.device.type == "cuda", worker_init_fn=ignore_in_worker,
+                            prefetch_factor=prefetch if workers else None)
+        return batches(loader)
 
     def _make_shard(self, manifest: Manifest, shard: int, stream: Iterator[dict[str, Any]]) -> bool:
         """Decode, encode and write one shard; False if a signal made us abandon it."""

@@ -53,6 +53,7 @@ from taehv_slurm.trainer.metrics import LogWindow, MetricsWriter, sample_grid
 from taehv_slurm.trainer.model import TAEHV, TAEHVConfig, init_for_training, load_published_weights
 from taehv_slurm.trainer.rng import get_rng_state, seed_all, set_rng_state
 from taehv_slurm.trainer.schedule import lr_at
+from taehv_slurm.trainer.shared_memory import BATCH_MARGIN, fitted_loader, frames_bytes
 from taehv_slurm.trainer.speed import mfu, model_flops_per_clip, peak_flops, use_compile_cache
 from taehv_slurm.trainer.stragglers import DEFAULT_MARGIN, WARMUP_STEPS, HeldOff, SlowRanks, StepClock
 from taehv_slurm.trainer.teacher import load_teacher, to_unit
@@ -293,12 +294,12 @@ class Trainer:
 
     def open_stream(self, step: int, sizes: list[int]) -> Iterator[dict[str, Any]]:
         """This rank's micro-batches from optimizer step `step` on, past the batches rollbacks skipped."""
-        plan, cfg = self.plan, self.cfg
+        plan, cfg, env = self.plan, self.cfg, self.env
+        batch = max(sizes) * frames_bytes(cfg.data.frames, cfg.data.height, cfg.data.width) * BATCH_MARGIN
+        workers, prefetch = fitted_loader(plan.num_workers, plan.prefetch_factor, batch, env, log)
         return microbatches(self.train_source, GlobalOrder(len(self.train_source), cfg.seed),
-                            step + self.data_offset, plan.effective_batch, plan.first_sample(self.env.rank),
-                            sizes,
-                            num_workers=plan.num_workers, prefetch_factor=plan.prefetch_factor,
-                            pin_memory=self.device.type == "cuda")
+                            step + self.data_offset, plan.effective_batch, plan.first_sample(env.rank), sizes,
+                            workers, prefetch, pin_memory=self.device.type == "cuda")
 
     def close(self) -> None:
         """Stops the loader's workers, however the run ended. Not left to the garbage collector: the
