@@ -7,8 +7,8 @@ is 64 MB; one micro-batch of the shipped config holds 50 MB of frames), and othe
 workers; at worst none, and the rank reads its data itself) and says so. `stack_shared` puts each batch
 straight into shared memory in the worker (`in_shared_memory` its small fields), so that a /dev/shm that
 fills up later fails there, as an error the loader passes on (`out_of_shared_memory` gives it its one
-line). Before, the queue's feeder thread met it while pickling: it printed the error, dropped the batch,
-and the rank waited for that batch forever.
+line). Left to the queue's feeder thread, which pickles the batch, that error is printed there and the
+batch dropped, and the rank waits for it forever.
 """
 
 from __future__ import annotations
