@@ -252,7 +252,8 @@ class RequeueableTask(submitit.helpers.Checkpointable):
                                  fatal=True, job_id=ctx.env.job_id, host=node_name())
             print(f"[taehv] rank {ctx.env.rank}: {error}", flush=True)
             return
-        if (lasting := Checkpointer(RunFolder(ctx.run_dir).checkpoints).lasting_failure(err)) is not None:
+        checkpoints = Checkpointer(RunFolder(ctx.run_dir).checkpoints)  # where the job folder is
+        if (lasting := checkpoints.lasting_failure(err)) is not None:
             self._on_lasting_failure(ctx, lasting)
             return
         settled = [e for e in ctx.events.read() if e.get("job_id") == ctx.env.job_id
@@ -270,7 +271,7 @@ class RequeueableTask(submitit.helpers.Checkpointable):
         # the echo of a peer that died (a lost connection): then the peer's own end names the cause.
         ends_step = restartable and self.restarts_here() and not is_communication_error(error)
         marks = {"ends_step": True} if ends_step else {}
-        if Checkpointer(RunFolder(ctx.run_dir).checkpoints).on_a_nodes_disk(err):
+        if checkpoints.on_a_nodes_disk(err):
             marks["node_fault"] = True
         ctx.events.write("failure", segment=ctx.segment, rank=ctx.env.rank, step=ctx.step, error=error,
                          job_id=ctx.env.job_id, host=node_name(), **marks)

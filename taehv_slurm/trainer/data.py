@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from taehv_slurm.common.config import VIDEO_EXTENSIONS
 from taehv_slurm.common.train_config import video_folder_missing
 from taehv_slurm.runtime.signals import ignore_in_worker
-from taehv_slurm.trainer.shared_memory import batches, in_shared_memory, stack_shared
+from taehv_slurm.trainer.shared_memory import batches, in_shared_memory
 
 log = logging.getLogger(__name__)
 
@@ -445,7 +445,7 @@ def collate_clips(items: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [it[key] for it in items]
         first = vals[0]
         if isinstance(first, torch.Tensor):
-            out[key] = stack_shared(vals)  # in a worker: into shared memory, once
+            out[key] = default_collate(vals)  # torch.stack; in a worker, into shared memory
         elif isinstance(first, (int, np.integer)) and not isinstance(first, bool):
             out[key] = in_shared_memory(torch.tensor(vals, dtype=torch.long))
         elif isinstance(first, (float, np.floating)):

@@ -4,18 +4,18 @@ Every batch a worker has loaded and its rank has not taken yet lives there: `num
 prefetch_factor` batches for each rank of the node. A container's /dev/shm is often small (Docker's default
 is 64 MB; one micro-batch of the shipped config holds 50 MB of frames), and other jobs may fill a node's.
 `fit_loader` lowers those numbers to what is free at the stream's start (the prefetch first, then the
-workers; at worst none, and the rank reads its data itself) and says so. `stack_shared` puts each batch
-straight into shared memory in the worker (`in_shared_memory` its small fields), so that a /dev/shm that
-fills up later fails there, as an error the loader passes on (`out_of_shared_memory` gives it its one
-line). Left to the queue's feeder thread, which pickles the batch, that error is printed there and the
-batch dropped, and the rank waits for it forever.
+workers; at worst none, and the rank reads its data itself) and says so. Each batch is stacked straight
+into shared memory in the worker (torch's `default_collate`; `in_shared_memory` its small fields), so
+that a /dev/shm that fills up later fails there, as an error the loader passes on (`out_of_shared_memory`
+gives it its one line). Left to the queue's feeder thread, which pickles the batch, that error is printed
+there and the batch dropped, and the rank waits for it forever.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported where a loader runs, not by the modules that only name these
@@ -78,17 +78,6 @@ def in_shared_memory(tensor: torch.Tensor) -> torch.Tensor:
     import torch
 
     return tensor if torch.utils.data.get_worker_info() is None else tensor.share_memory_()
-
-
-def stack_shared(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """`torch.stack(tensors)`; in a loader worker, into shared memory (see the module's docstring)."""
-    import torch
-
-    if torch.utils.data.get_worker_info() is None:
-        return torch.stack(list(tensors))
-    first = tensors[0]
-    storage = first._typed_storage()._new_shared(len(tensors) * first.numel(), device=first.device)
-    return torch.stack(list(tensors), out=first.new(storage).resize_(len(tensors), *first.shape))
 
 
 def batches(loader: DataLoader) -> Iterator[Any]:
